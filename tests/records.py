@@ -1,0 +1,45 @@
+"""Synthetic result records, as the dispatcher publishes them to the results stream."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from gateway.contracts import RESULTS_STREAM, ResultRecord, State, new_request_id, utc
+
+
+def unit_vectors(count: int, dim: int, seed: int = 0) -> np.ndarray:
+    vectors = np.random.default_rng(seed).standard_normal((count, dim)).astype(np.float32)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def embedding_record(vector: list[float], model: str = "text_embed", text: str = "") -> ResultRecord:
+    output = {"text_embed": "embedding", "clip_text": "text_embeds", "clip_image": "image_embeds"}[model]
+    now = time.time()
+    return ResultRecord(
+        request_id=new_request_id(now), model=model, status=State.SUCCEEDED, inputs={"text": text},
+        outputs={output: [float(x) for x in vector]}, created_at=utc(now - 0.05), started_at=utc(now - 0.04),
+        finished_at=utc(now), attempts=1,
+    )
+
+
+def text_record(text: str = "generated text") -> ResultRecord:
+    now = time.time()
+    return ResultRecord(
+        request_id=new_request_id(now), model="llm", status=State.SUCCEEDED, inputs={"text_input": "prompt"},
+        outputs={"text_output": text}, created_at=utc(now - 0.05), finished_at=utc(now), attempts=1,
+    )
+
+
+def mixed_records(count: int, dim: int = 384, seed: int = 0) -> list[ResultRecord]:
+    """Three in four carry an embedding, the rest are llm text."""
+    vectors = unit_vectors(count, dim, seed)
+    return [embedding_record(vectors[i].tolist()) if i % 4 else text_record(f"text {i}") for i in range(count)]
+
+
+async def publish(redis, records: list[ResultRecord]) -> None:
+    async with redis.pipeline(transaction=False) as pipe:
+        for record in records:
+            pipe.xadd(RESULTS_STREAM, {"id": record.request_id, "record": record.model_dump_json()})
+        await pipe.execute()

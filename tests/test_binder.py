@@ -1,0 +1,205 @@
+"""The binder against real Redis, the MongoDB-wire server and FAISS: one document and
+at most one vector per request, however often and however concurrently a result is
+delivered, and through crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from itertools import count
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from pymongo import AsyncMongoClient
+
+from binder.store import ResultStore
+from binder.webhooks import WebhookQueue
+from binder.worker import ResultWorker
+from gateway.contracts import BINDER_GROUP, DEAD_LETTER_STREAM, RESULTS_COLLECTION, RESULTS_STREAM
+from gateway.settings import BinderSettings
+from tests.conftest import kill_by_pid
+from tests.records import mixed_records, publish
+
+_databases = count(10)
+
+
+@pytest.fixture
+def isolated(stack):
+    """A Redis database and a MongoDB database of this test's own."""
+    number = next(_databases)
+    return {"REDIS_URL": stack.redis_db_url(number), "MONGO_DB": f"binder_test_{number}_{time.time_ns()}"}
+
+
+async def _documents(mongo: AsyncMongoClient, database: str) -> int:
+    return await mongo[database][RESULTS_COLLECTION].count_documents({})
+
+
+async def _pending(redis_url: str) -> int:
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+        return (await client.xpending(RESULTS_STREAM, BINDER_GROUP))["pending"]
+    finally:
+        await client.aclose()
+
+
+async def _until(check, timeout: float = 60, interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(interval)
+
+
+async def _indexed(binder_url: str, space: str = "minilm") -> int:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"{binder_url}/healthz")).json()["index"].get(space, 0)
+
+
+async def test_n_results_make_exactly_n_documents_and_n_vectors(stack, mongo, isolated) -> None:
+    process, url = stack.start_binder("binder-count", **isolated)
+    try:
+        records = mixed_records(200)
+        vectors = sum(1 for r in records if r.embedding)
+        redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+        await publish(redis, records)
+        await _until(lambda: _is(mongo, isolated["MONGO_DB"], len(records)))
+        await _until(lambda: _indexed_is(url, vectors))
+        assert await _pending(isolated["REDIS_URL"]) == 0
+        stored = await mongo[isolated["MONGO_DB"]][RESULTS_COLLECTION].find_one({"_id": records[1].request_id})
+        assert stored["stored"] is True and stored["expires_at"] > stored["finished_at"]
+        await redis.aclose()
+    finally:
+        stack.stop(process)
+
+
+async def _is(mongo, database: str, expected: int) -> bool:
+    return await _documents(mongo, database) == expected
+
+
+async def _indexed_is(url: str, expected: int) -> bool:
+    return await _indexed(url) == expected
+
+
+async def test_results_delivered_again_three_times_concurrently_stay_n(stack, mongo, isolated) -> None:
+    first, first_url = stack.start_binder("binder-a", **isolated)
+    second, second_url = stack.start_binder("binder-b", **isolated)
+    try:
+        records = mixed_records(120, seed=1)
+        vectors = sum(1 for r in records if r.embedding)
+        redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+        await asyncio.gather(*(publish(redis, records) for _ in range(3)))
+        await publish(redis, records)
+        await _until(lambda: _is(mongo, isolated["MONGO_DB"], len(records)))
+        await _until(lambda: _all_acknowledged(isolated["REDIS_URL"], redis, 4 * len(records)))
+        for url in (first_url, second_url):  # each binder holds the whole index
+            await _until(lambda: _indexed_is(url, vectors))
+        assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
+        assert await redis.xlen(DEAD_LETTER_STREAM) == 0
+        await redis.aclose()
+    finally:
+        stack.stop(first)
+        stack.stop(second)
+
+
+async def _all_acknowledged(redis_url: str, redis, delivered: int) -> bool:
+    groups = await redis.xinfo_groups(RESULTS_STREAM)
+    group = next(g for g in groups if g["name"] == BINDER_GROUP)
+    return group["pending"] == 0 and group["last-delivered-id"] == (await redis.xinfo_stream(RESULTS_STREAM))["last-generated-id"]
+
+
+async def test_binder_killed_mid_batch_and_restarted_stores_all_and_leaves_nothing_pending(stack, mongo, isolated) -> None:
+    process, _ = stack.start_binder("binder-crash", BATCH_SIZE="50", **isolated)
+    records = mixed_records(3000, seed=2)
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    await publish(redis, records)
+    await _until(lambda: _some_stored(mongo, isolated["MONGO_DB"]), interval=0.01)
+    kill_by_pid(process)
+    stack.extra.remove(process)
+    assert await _documents(mongo, isolated["MONGO_DB"]) < len(records), "the binder finished before the kill"
+    restarted, _ = stack.start_binder("binder-crash", BATCH_SIZE="50", **isolated)  # same consumer name
+    try:
+        await _until(lambda: _is(mongo, isolated["MONGO_DB"], len(records)), timeout=120)
+        await _until(lambda: _no_pending(isolated["REDIS_URL"]))
+    finally:
+        stack.stop(restarted)
+        await redis.aclose()
+
+
+async def _some_stored(mongo, database: str) -> bool:
+    return await _documents(mongo, database) > 0
+
+
+async def _no_pending(redis_url: str) -> bool:
+    return await _pending(redis_url) == 0
+
+
+def _settings(isolated: dict[str, str], stack, name: str, **extra) -> BinderSettings:
+    return BinderSettings(
+        redis_url=isolated["REDIS_URL"], mongo_url=stack.mongo_url, mongo_db=isolated["MONGO_DB"], binder_name=name,
+        **extra,
+    )
+
+
+class CrashBeforeAck(Exception):
+    pass
+
+
+async def test_killed_between_the_mongodb_write_and_the_ack_stores_no_duplicate(stack, mongo, isolated) -> None:
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    store = ResultStore(mongo, isolated["MONGO_DB"], retention_s=3600)
+    await store.prepare()
+    records = mixed_records(40, seed=3)
+    await publish(redis, records)
+
+    crashing = ResultWorker(redis, store, WebhookQueue(redis), _settings(isolated, stack, "crashing", claim_idle_ms=200))
+    await crashing.prepare()
+
+    async def crash(*args, **kwargs):
+        raise CrashBeforeAck  # the process dies right after MongoDB acknowledged the write
+
+    crashing.redis = _FailingAck(redis, crash)
+    entries = (await redis.xreadgroup(BINDER_GROUP, "crashing", {RESULTS_STREAM: ">"}, count=100))[0][1]
+    with pytest.raises(CrashBeforeAck):
+        await crashing.process(entries)
+    assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
+    assert await _pending(isolated["REDIS_URL"]) == len(records)
+
+    await asyncio.sleep(0.3)
+    heir = ResultWorker(redis, store, WebhookQueue(redis), _settings(isolated, stack, "heir", claim_idle_ms=200))
+    await heir.reclaim()  # XAUTOCLAIM the dead consumer's entries and store them again
+    assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
+    assert await _pending(isolated["REDIS_URL"]) == 0
+    await redis.aclose()
+
+
+class _FailingAck:
+    """The Redis client, except that XACK fails."""
+
+    def __init__(self, redis, xack) -> None:
+        self._redis, self.xack = redis, xack
+
+    def __getattr__(self, name):
+        return getattr(self._redis, name)
+
+
+async def test_a_poison_entry_is_dead_lettered_after_n_attempts_while_the_rest_complete(stack, mongo, isolated) -> None:
+    process, _ = stack.start_binder("binder-poison", MAX_DELIVERIES="2", CLAIM_IDLE_MS="300", **isolated)
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    try:
+        records = mixed_records(30, seed=4)
+        await publish(redis, records[:15])
+        await redis.xadd(RESULTS_STREAM, {"id": "poison", "record": "{not json"})
+        await publish(redis, records[15:])
+        await _until(lambda: _is(mongo, isolated["MONGO_DB"], len(records)))
+        await _until(lambda: _dead_letters(redis, 1), timeout=30)
+        dead = (await redis.xrange(DEAD_LETTER_STREAM))[0][1]
+        assert "not a result record" in dead["error"]
+        assert int(dead["deliveries"]) > 2
+        await _until(lambda: _no_pending(isolated["REDIS_URL"]))
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+async def _dead_letters(redis, expected: int) -> bool:
+    return await redis.xlen(DEAD_LETTER_STREAM) == expected

@@ -1,0 +1,202 @@
+"""The gateway's HTTP API against the real local stack: submit, poll, long-poll,
+Prefer: wait, idempotency, and clear 4xx errors for bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import time
+from datetime import datetime
+
+
+import pytest
+
+from gateway.contracts import new_request_id
+from tests.gateway_calls import llm_body, submit, wait_result
+from tests.triton_requests import png_bytes
+
+
+async def test_submit_answers_202_with_id_and_location_then_poll_gives_text(http) -> None:
+    response = await http.post("/infer", json=llm_body("Hello", 8))
+    assert response.status_code == 202
+    body = response.json()
+    request_id = body["request_id"]
+    assert len(request_id) == 36 and request_id.isalnum()
+    assert response.headers["location"] == f"/results/{request_id}"
+    assert body["urls"] == {
+        "result": f"/results/{request_id}", "events": f"/results/{request_id}/events",
+        "cancel": f"/results/{request_id}/cancel",
+    }
+    assert body["status"] == "queued"
+    record = await wait_result(http, request_id)
+    assert record["status"] == "succeeded"
+    assert isinstance(record["outputs"]["text_output"], str) and record["outputs"]["text_output"]
+    assert record["replica"] and record["timings"]["total_ms"] > 0
+
+
+async def test_prefer_wait_returns_200_with_the_result(http) -> None:
+    response = await http.post("/infer", json={"model": "text_embed", "inputs": {"text": "hello"}},
+                               headers={"Prefer": "wait=20"})
+    assert response.status_code == 200
+    assert response.headers["preference-applied"] == "wait=20"
+    record = response.json()
+    assert record["status"] == "succeeded"
+    assert len(record["outputs"]["embedding"]) == 384
+
+
+async def test_prefer_wait_shorter_than_the_work_gives_202(http) -> None:
+    response = await http.post("/infer", json=llm_body(max_tokens=200), headers={"Prefer": "wait=0.01"})
+    assert response.status_code == 202
+    await wait_result(http, response.json()["request_id"])
+
+
+async def test_long_poll_returns_within_100ms_of_completion(http) -> None:
+    request_id = await submit(http, llm_body(max_tokens=150))
+    response = await http.get(f"/results/{request_id}", params={"wait": 30})
+    returned = time.time()
+    record = response.json()
+    assert record["status"] == "succeeded"
+    finished = datetime.fromisoformat(record["finished_at"]).timestamp()
+    assert returned - finished < 0.1, f"long-poll answered {returned - finished:.3f}s after completion"
+
+
+async def test_long_poll_of_a_running_request_returns_its_state_at_the_timeout(http) -> None:
+    request_id = await submit(http, llm_body(max_tokens=250))
+    started = time.monotonic()
+    response = await http.get(f"/results/{request_id}", params={"wait": 0.05})
+    assert time.monotonic() - started < 2
+    assert response.json()["status"] in ("queued", "running", "succeeded")
+    await wait_result(http, request_id)
+
+
+async def test_same_idempotency_key_and_body_give_the_same_request(http) -> None:
+    key = f"key-{time.time_ns()}"
+    first = await http.post("/infer", json=llm_body("idempotent", 4), headers={"Idempotency-Key": key})
+    second = await http.post("/infer", json=llm_body("idempotent", 4), headers={"Idempotency-Key": key})
+    assert first.status_code == 202
+    assert second.status_code in (200, 202)
+    assert second.json()["request_id"] == first.json()["request_id"]
+
+
+async def test_same_idempotency_key_with_another_body_is_422(http) -> None:
+    key = f"key-{time.time_ns()}"
+    await submit(http, llm_body("first body", 4), **{"Idempotency-Key": key})
+    response = await http.post("/infer", json=llm_body("other body", 4), headers={"Idempotency-Key": key})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "idempotency_key_reused"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "nope", "inputs": {"text": "x"}}, 422, "unknown_model"),
+        ({"model": "llm"}, 422, "validation_error"),
+        ({"model": "llm", "inputs": {"max_tokens": 4}}, 422, "invalid_inputs"),
+        ({"model": "llm", "inputs": {"text_input": "x", "max_tokens": "ten"}}, 422, "invalid_inputs"),
+        ({"model": "llm", "inputs": {"text_input": "x"}, "parameters": {"top_p": 7}}, 422, "invalid_inputs"),
+        ({"model": "clip_image", "inputs": {"image": "not base64!!"}}, 422, "invalid_inputs"),
+        ({"model": "clip_image", "inputs": {"image": base64.b64encode(b"plain text").decode()}}, 422, "invalid_inputs"),
+        ({"model": "text_embed", "inputs": {"text": "x"}, "webhook": {"url": "ftp://x"}}, 422, "validation_error"),
+        ({"model": "text_embed", "inputs": {"text": "x"}, "timeout_s": 99999}, 422, "timeout_too_long"),
+        ({"model": "text_embed", "inputs": {"text": "x"}, "priority": 99}, 422, "validation_error"),
+        ({"model": "text_embed", "inputs": {"text": "x"}, "surprise": 1}, 422, "validation_error"),
+    ],
+)
+async def test_bad_input_gets_a_4xx_with_a_stable_code(http, body, status, code) -> None:
+    response = await http.post("/infer", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"]
+
+
+async def test_malformed_json_is_422_invalid_json(http) -> None:
+    response = await http.post("/infer", content=b'{"model": "llm", ', headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+async def test_huge_body_is_413(http) -> None:
+    huge = {"model": "text_embed", "inputs": {"text": "x" * (9 * 1024 * 1024)}}
+    response = await http.post("/infer", json=huge)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "payload_too_large"
+
+
+async def test_huge_streamed_body_without_length_is_413(http) -> None:
+    async def chunks():
+        for _ in range(10):
+            yield b"x" * (1024 * 1024)
+
+    response = await http.post("/infer", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+@pytest.mark.parametrize("path", [f"/results/{new_request_id()}", "/results/unknown-id", "/results/unknown-id/events"])
+async def test_unknown_request_id_is_404(http, path) -> None:
+    response = await http.get(path)
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+
+
+async def test_an_id_older_than_the_retention_is_410_expired(http) -> None:
+    old = new_request_id(time.time() - 30 * 86400)
+    response = await http.get(f"/results/{old}")
+    assert response.status_code == 410
+    assert response.json()["error"]["code"] == "result_expired"
+
+
+async def test_cancel_of_unknown_id_is_404(http) -> None:
+    response = await http.post("/results/unknown-id/cancel")
+    assert response.status_code == 404
+
+
+async def test_an_image_triton_cannot_decode_fails_with_invalid_input(http) -> None:
+    broken = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64).decode()
+    request_id = await submit(http, {"model": "clip_image", "inputs": {"image": broken}})
+    record = await wait_result(http, request_id)
+    assert record["status"] == "failed"
+    assert record["error"]["code"] == "invalid_input"
+    assert record["attempts"] == 1
+
+
+async def test_image_request_succeeds_and_stores_a_digest_not_the_bytes(http) -> None:
+    image = png_bytes()
+    response = await http.post("/infer", json={"model": "clip_image", "inputs": {"image": base64.b64encode(image).decode()}},
+                               headers={"Prefer": "wait=20"})
+    record = response.json()
+    assert record["status"] == "succeeded"
+    assert len(record["outputs"]["image_embeds"]) == 32
+    assert record["inputs"] == {"image": {"sha256": hashlib.sha256(image).hexdigest(), "bytes": len(image)}}
+
+
+async def test_many_concurrent_requests_all_succeed(http) -> None:
+    ids = await asyncio.gather(*(submit(http, {"model": "clip_text", "inputs": {"text": f"t{i}"}}) for i in range(40)))
+    records = await asyncio.gather(*(wait_result(http, rid) for rid in ids))
+    assert {r["status"] for r in records} == {"succeeded"}
+
+
+async def test_health_readiness_and_metrics(http) -> None:
+    assert (await http.get("/healthz")).json() == {"status": "ok"}
+    ready = await http.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["replicas"]
+    await submit(http, {"model": "clip_text", "inputs": {"text": "metrics"}})
+    metrics = (await http.get("/metrics")).text
+    for name in ("gateway_requests_accepted_total", "gateway_requests_finished_total", "gateway_backlog",
+                 "gateway_replica_inflight", "gateway_request_latency_seconds", "gateway_time_to_first_token_seconds"):
+        assert name in metrics
+
+
+async def test_openapi_docs_are_served(http) -> None:
+    spec = (await http.get("/openapi.json")).json()
+    assert {"/infer", "/results/{request_id}", "/results/{request_id}/events", "/search"} <= set(spec["paths"])
+    assert (await http.get("/docs")).status_code == 200
+
+
+async def test_unknown_route_is_a_json_404(http) -> None:
+    response = await http.get("/nowhere")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+
+
+

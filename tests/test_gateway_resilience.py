@@ -1,0 +1,119 @@
+"""Nothing accepted is lost: admission control, two Triton replicas with one stopped
+mid-run, and a gateway process killed with requests queued."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from gateway.launcher.process import ManagedProcess
+from tests.conftest import kill_by_pid
+from tests.gateway_calls import llm_body, submit, wait_all
+
+
+async def test_a_full_backlog_answers_429_with_retry_after(stack) -> None:
+    process, url = stack.start_gateway(
+        "gateway-full", ready_path="/healthz", REDIS_URL=stack.redis_db_url(5), TRITON_GRPC_URLS="127.0.0.1:9",
+        MAX_BACKLOG="3", RETRY_AFTER_S="2",
+    )
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            accepted = [await submit(client, llm_body(f"fill {i}", 4)) for i in range(3)]
+            response = await client.post("/infer", json=llm_body("one too many", 4))
+            assert response.status_code == 429
+            assert response.headers["retry-after"] == "2"
+            assert response.json()["error"]["code"] == "backlog_full"
+            # What was accepted is still there, queued.
+            for request_id in accepted:
+                assert (await client.get(f"/results/{request_id}")).json()["status"] == "queued"
+    finally:
+        stack.stop(process)
+
+
+async def _ready_replicas(client: httpx.AsyncClient) -> list[str]:
+    response = await client.get("/readyz")
+    return response.json().get("replicas", []) if response.status_code == 200 else []
+
+
+async def _until(check, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(stack):
+    second, second_url = stack.start_triton("triton-b")
+    gateway, url = stack.start_gateway(
+        "gateway-two", REDIS_URL=stack.redis_db_url(7), TRITON_GRPC_URLS=f"{stack.triton_grpc},{second_url}",
+    )
+    yield {"url": url, "first": stack.triton_grpc, "second": second_url, "second_process": second}
+    stack.stop(gateway)
+
+
+async def test_traffic_reaches_both_replicas(two_replicas) -> None:
+    async with httpx.AsyncClient(base_url=two_replicas["url"], timeout=60) as client:
+        await _until(lambda: _has_both(client, two_replicas))
+        ids = await asyncio.gather(*(submit(client, llm_body(f"spread {i}", 30)) for i in range(20)))
+        records = await wait_all(client, ids)
+    assert {r["status"] for r in records} == {"succeeded"}
+    assert set(Counter(r["replica"] for r in records)) == {two_replicas["first"], two_replicas["second"]}
+
+
+async def _has_both(client, replicas) -> bool:
+    return set(await _ready_replicas(client)) == {replicas["first"], replicas["second"]}
+
+
+async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(stack, two_replicas) -> None:
+    second: ManagedProcess = two_replicas["second_process"]
+    async with httpx.AsyncClient(base_url=two_replicas["url"], timeout=60) as client:
+        await _until(lambda: _has_both(client, two_replicas))
+        ids = await asyncio.gather(*(submit(client, llm_body(f"busy {i}", 200)) for i in range(16)))
+        await asyncio.sleep(0.3)  # some are running on each replica
+        kill_by_pid(second)
+        records = await wait_all(client, ids)
+        assert all(r["status"] in ("succeeded", "failed") for r in records)
+        assert any(r["status"] == "succeeded" for r in records)
+
+        await _until(lambda: _only(client, two_replicas["first"]))
+        after = await wait_all(client, [await submit(client, llm_body("live one", 8)) for _ in range(4)])
+        assert {(r["status"], r["replica"]) for r in after} == {("succeeded", two_replicas["first"])}
+
+        second.start()  # same ports, same model repository
+        second.wait_ready(time.monotonic() + 240)
+        await _until(lambda: _has_both(client, two_replicas))
+        back = await wait_all(client, await asyncio.gather(*(submit(client, llm_body(f"back {i}", 30)) for i in range(12))))
+        assert two_replicas["second"] in {r["replica"] for r in back}
+
+
+async def _only(client, replica: str) -> bool:
+    return await _ready_replicas(client) == [replica]
+
+
+async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) -> None:
+    redis_url = stack.redis_db_url(8)
+    first, first_url = stack.start_gateway("gateway-doomed", REDIS_URL=redis_url)
+    async with httpx.AsyncClient(base_url=first_url, timeout=30) as client:
+        ids = [await submit(client, llm_body(f"orphan {i}", 120)) for i in range(10)]
+        await asyncio.sleep(0.3)
+        states = Counter([(await client.get(f"/results/{rid}")).json()["status"] for rid in ids])
+    assert states["running"] > 0, states
+    kill_by_pid(first)
+    stack.extra.remove(first)
+
+    second, second_url = stack.start_gateway("gateway-heir", REDIS_URL=redis_url)
+    try:
+        async with httpx.AsyncClient(base_url=second_url, timeout=30) as client:
+            records = await wait_all(client, ids, timeout=120)
+        assert {r["status"] for r in records} == {"succeeded"}
+        assert any(r["attempts"] >= 2 for r in records), "no request was reclaimed from the dead gateway"
+    finally:
+        stack.stop(second)
+
+
+

@@ -1,0 +1,97 @@
+"""Search over stored results, and results read back from MongoDB."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+from tests.gateway_calls import submit, wait_result
+from tests.triton_requests import png_bytes
+
+TEXTS = [
+    "The violinist tuned her instrument before the evening concert",
+    "Quarterly revenue of the regional bank rose by eight percent",
+    "The volcano erupted and covered the village in grey ash",
+    "A toddler stacked wooden blocks into a wobbly tower",
+]
+
+
+async def _embed_all(http, model: str, inputs: list[dict]) -> list[str]:
+    ids = [await submit(http, {"model": model, "inputs": item}) for item in inputs]
+    for request_id in ids:
+        assert (await wait_result(http, request_id))["status"] == "succeeded"
+    return ids
+
+
+async def _search(http, **query) -> dict:
+    response = await http.post("/search", json=query)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_a_text_query_finds_its_matching_stored_text_first(http) -> None:
+    ids = await _embed_all(http, "text_embed", [{"text": t} for t in TEXTS])
+    await asyncio.sleep(1.0)
+    result = await _search(http, text="a musician getting her violin ready for a performance", k=3)
+    assert result["space"] == "minilm"
+    top = result["hits"][0]
+    assert top["request_id"] == ids[0]
+    assert top["record"]["inputs"]["text"] == TEXTS[0]
+    assert top["score"] > result["hits"][1]["score"]
+
+
+async def test_a_stored_result_is_searchable_within_one_second(http) -> None:
+    text = f"A lighthouse keeper counted ships at dawn, run {time.time_ns()}"
+    request_id = await submit(http, {"model": "text_embed", "inputs": {"text": text}})
+    record = await wait_result(http, request_id)
+    finished = time.time()
+    while True:
+        hits = (await _search(http, text=text, k=1))["hits"]
+        if hits and hits[0]["request_id"] == request_id:
+            break
+        assert time.time() - finished < 1.0, "not searchable within 1 s"
+        await asyncio.sleep(0.05)
+    assert record["status"] == "succeeded"
+
+
+async def test_clip_search_by_image_finds_the_same_image_first(http) -> None:
+    images = [base64.b64encode(png_bytes(color)).decode() for color in ((250, 10, 10), (10, 10, 250), (10, 250, 10))]
+    ids = await _embed_all(http, "clip_image", [{"image": image} for image in images])
+    await asyncio.sleep(1.0)
+    result = await _search(http, image=images[1], k=2)
+    assert result["space"] == "clip"
+    assert result["hits"][0]["request_id"] == ids[1]
+    assert result["hits"][0]["score"] > 0.999
+
+
+async def test_clip_text_search_returns_clip_records(http) -> None:
+    await _embed_all(http, "clip_text", [{"text": "a blue square"}])
+    await asyncio.sleep(1.0)
+    result = await _search(http, text="a blue square", space="clip", k=3)
+    assert result["hits"]
+    assert {h["record"]["model"] for h in result["hits"]} <= {"clip_text", "clip_image"}
+
+
+async def test_a_search_with_both_text_and_image_is_422(http) -> None:
+    response = await http.post("/search", json={"text": "x", "image": "eA=="})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_query"
+
+
+async def test_an_image_search_outside_the_clip_space_is_422(http) -> None:
+    response = await http.post("/search", json={"image": base64.b64encode(png_bytes()).decode(), "space": "minilm"})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "unknown_space"
+
+
+async def test_the_result_is_read_from_mongodb_once_stored(http, mongo, stack) -> None:
+    request_id = await submit(http, {"model": "clip_text", "inputs": {"text": "stored"}})
+    await wait_result(http, request_id)
+    deadline = time.monotonic() + 10
+    while not (record := (await http.get(f"/results/{request_id}")).json())["stored"]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert record["expires_at"] is not None
+    document = await mongo["triton_gateway"]["results"].find_one({"_id": request_id})
+    assert document["status"] == "succeeded" and document["stored"] is True

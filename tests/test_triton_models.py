@@ -1,0 +1,132 @@
+"""The CPU model repository in the real tritonserver, called directly over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import text_format
+from tritonclient.grpc import InferRequestedOutput, model_config_pb2
+from tritonclient.utils import InferenceServerException
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gateway.adapters import tensor
+from tests.triton_requests import bytes_tensor, llm_request, once, png_bytes, stream_texts
+
+MODEL_REPO = Path(__file__).resolve().parents[1] / "model_repo"
+PROMPT = "Hello world, the gateway"
+
+
+def test_every_local_config_parses_as_a_model_config() -> None:
+    configs = sorted((MODEL_REPO / "local").glob("*/config.pbtxt"))
+    assert len(configs) >= 10
+    for path in configs:
+        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+        assert config.name == path.parent.name
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models: dict[str, Path]):
+    """Greedy generation with transformers on the same weights: what llm must produce."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["gpt2"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["gpt2"]).eval()
+
+    def generate(prompt: str, max_tokens: int) -> list[int]:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        tokens = out[0, ids.shape[1]:].tolist()
+        return tokens[: tokens.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in tokens else tokens
+
+    return tokenizer, generate
+
+
+async def test_llm_streams_several_partial_responses_then_ends(triton) -> None:
+    pieces = await stream_texts(triton, llm_request(PROMPT, 24))
+    assert len(pieces) >= 2
+    assert "".join(pieces)
+
+
+async def test_llm_output_is_greedy_decoding_cut_at_max_tokens(triton, reference) -> None:
+    tokenizer, generate = reference
+    expected = tokenizer.decode(generate(PROMPT, 12), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    streamed = "".join(await stream_texts(triton, llm_request(PROMPT, 12, stream=True)))
+    whole = await stream_texts(triton, llm_request(PROMPT, 12, stream=False))
+    assert streamed == expected
+    assert whole == [expected]
+
+
+async def test_llm_stops_right_after_a_stop_word(triton, reference) -> None:
+    tokenizer, generate = reference
+    tokens = generate(PROMPT, 30)
+    # A generated token that is its own tokenization, so the stop word matches it
+    # exactly; generation must end at its first occurrence.
+    position = max(
+        tokens.index(t) for t in set(tokens) if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
+    )
+    assert position < len(tokens) - 1
+    stop_word = tokenizer.decode([tokens[position]])
+    text = "".join(await stream_texts(triton, llm_request(PROMPT, 30, stop_words=[stop_word])))
+    assert text == tokenizer.decode(tokens[: position + 1], clean_up_tokenization_spaces=False)
+
+
+async def _postprocessed(triton) -> int:
+    stats = await triton.get_inference_statistics("llm_postprocessing", as_json=True)
+    return int(stats["model_stats"][0].get("inference_count", 0))
+
+
+async def test_llm_cancel_mid_stream_stops_generation_within_a_step(triton) -> None:
+    request_id = f"cancel-{uuid.uuid4().hex}"
+    before = await _postprocessed(triton)
+    responses = triton.stream_infer(once(llm_request(PROMPT, 200, request_id=request_id)))
+    received = 0
+    async for _, error in responses:
+        assert error is None
+        received += 1
+        if received == 3:
+            break
+    responses.cancel()
+    # Triton 2.51 does not pass an ensemble's cancellation to a running step: stop it by id.
+    stop = {"model_name": "llm_generator", "inputs": [tensor("stop", np.array([[True]]), "BOOL")], "request_id": request_id}
+    async for _ in triton.stream_infer(once(stop)):
+        pass
+    await asyncio.sleep(2.0)  # an unstopped run of 200 tokens would finish in this time
+    generated = await _postprocessed(triton) - before
+    assert received <= generated < received + 20, f"{generated} chunks were generated after a cancel at {received}"
+    assert await triton.is_server_ready()
+    assert await triton.is_model_ready("llm")
+    assert len(await stream_texts(triton, llm_request(PROMPT, 4))) >= 1
+
+
+async def _embed(triton, model: str, name: str, value: bytes, output: str) -> np.ndarray:
+    result = await triton.infer(model, [bytes_tensor(name, value)], outputs=[InferRequestedOutput(output)])
+    return result.as_numpy(output)
+
+
+async def test_clip_image_and_text_embeddings_are_unit_vectors_of_one_dimension(triton) -> None:
+    image = await _embed(triton, "clip_image", "image", png_bytes(), "image_embeds")
+    text = await _embed(triton, "clip_text", "text", b"a red square", "text_embeds")
+    assert image.shape == text.shape == (1, 32)
+    assert np.linalg.norm(image) == pytest.approx(1.0, abs=1e-5)
+    assert np.linalg.norm(text) == pytest.approx(1.0, abs=1e-5)
+
+
+async def test_clip_image_refuses_bad_image_bytes_and_keeps_serving(triton) -> None:
+    with pytest.raises(InferenceServerException, match="invalid image"):
+        await _embed(triton, "clip_image", "image", b"\x89PNG\r\n\x1a\n this is not a picture", "image_embeds")
+    assert await triton.is_model_ready("clip_image")
+    image = await _embed(triton, "clip_image", "image", png_bytes((0, 0, 255)), "image_embeds")
+    assert image.shape == (1, 32)
+
+
+async def test_text_embed_with_real_minilm_weights_ranks_by_meaning(triton) -> None:
+    async def embed(text: str) -> np.ndarray:
+        return (await _embed(triton, "text_embed", "text", text.encode(), "embedding"))[0]
+
+    cat, kitten, stocks = [await embed(t) for t in ("a cat sits on the mat", "a kitten rests on a rug", "stock markets fell sharply")]
+    assert cat.shape == (384,)
+    assert float(cat @ kitten) > float(cat @ stocks) + 0.2
