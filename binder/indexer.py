@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from binder.store import ResultStore
 from binder.vectors import VectorIndex
-from gateway.contracts import EMBEDDING_OUTPUTS, RESULTS_STREAM, ResultRecord
+from gateway.contracts import EMBEDDING_OUTPUTS, RESULTS_STREAM, ResultRecord, embedding_from_document
 from gateway.streams import stream_id_order
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,9 @@ class IndexFollower:
         started = time.monotonic()
         items = []
         async for document in await self.store.embeddings(list(EMBEDDING_OUTPUTS)):
-            space, output = EMBEDDING_OUTPUTS[document["model"]]
-            vector = (document.get("outputs") or {}).get(output)
-            if vector:
-                items.append((space, document["_id"], vector))
+            found = embedding_from_document(document)
+            if found:
+                items.append((found[0], document["_id"], found[1]))
         self.index.add(items, last_id="0-0")
         log.info("index rebuilt from MongoDB: %d vectors in %.1fs", len(items), time.monotonic() - started)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +59,17 @@ def _mark_demo(path: Path, kind: str) -> None:
     (path / DEMO_MARKER).write_text(json.dumps({"demo": True, "kind": kind, "note": DEMO_NOTE}, indent=2))
 
 
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
 def build_tiny_gpt2(path: Path, *, layers: int = 2, width: int = 64, context: int = 256, seed: int = 0) -> Path:
     """A randomly initialised GPT-2 with a byte-level BPE tokenizer trained offline."""
+    _quiet_transformers()
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -83,6 +93,7 @@ def build_tiny_gpt2(path: Path, *, layers: int = 2, width: int = 64, context: in
 
 def build_tiny_clip(path: Path, *, width: int = 64, image_size: int = 32, seed: int = 0) -> Path:
     """A randomly initialised CLIP (text and vision towers) with an offline tokenizer."""
+    _quiet_transformers()
     import torch
     from tokenizers import processors
     from transformers import CLIPConfig, CLIPModel, PreTrainedTokenizerFast
@@ -126,8 +137,10 @@ def build_tiny_clip(path: Path, *, width: int = 64, image_size: int = 32, seed: 
 def _from_hub(model_id: str, allow_downloads: bool) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import logging as hub_logging
     except ImportError:
         return None
+    hub_logging.set_verbosity_error()  # our own message says what happened, in one line
     try:
         return Path(snapshot_download(model_id, allow_patterns=_DOWNLOAD_PATTERNS, local_files_only=True))
     except Exception:
@@ -135,10 +148,9 @@ def _from_hub(model_id: str, allow_downloads: bool) -> Path | None:
     if not allow_downloads:
         return None
     try:
-        log.info("downloading %s from the Hugging Face Hub", model_id)
         return Path(snapshot_download(model_id, allow_patterns=_DOWNLOAD_PATTERNS, etag_timeout=5))
     except Exception as exc:
-        log.warning("could not download %s: %s", model_id, exc)
+        log.debug("could not download %s: %s", model_id, exc)
         return None
 
 
