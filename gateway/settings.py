@@ -6,25 +6,25 @@ One class per process role. Names are the environment variables in upper case, e
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-
-CommaList = Annotated[list[str], NoDecode]
-
 
 def _split_commas(value: object) -> object:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
-            import json
-
             return json.loads(text)
         return [part.strip() for part in text.split(",") if part.strip()]
     return value
+
+
+# A list from the environment: JSON, or "a,b,c".
+CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
 
 
 class ServiceSettings(BaseSettings):
@@ -77,11 +77,6 @@ class GatewaySettings(ServiceSettings):
 
     sse_ping_s: float = 15.0
 
-    @field_validator("triton_grpc_urls", "binder_urls", mode="before")
-    @classmethod
-    def _lists(cls, value: object) -> object:
-        return _split_commas(value)
-
 
 class BinderSettings(ServiceSettings):
     binder_host: str = "127.0.0.1"
@@ -107,11 +102,6 @@ class BinderSettings(ServiceSettings):
     webhook_concurrency: int = 64
     # Hosts, IPs or CIDRs allowed even though they are not public addresses.
     webhook_allowlist: CommaList = []
-
-    @field_validator("webhook_secrets", "webhook_retry_schedule", "webhook_allowlist", mode="before")
-    @classmethod
-    def _lists(cls, value: object) -> object:
-        return _split_commas(value)
 
     @property
     def retry_delays(self) -> list[float]:
