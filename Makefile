@@ -16,6 +16,8 @@ $(VENV)/.local-installed: pyproject.toml | $(BIN)/python
 
 $(VENV)/.test-installed: pyproject.toml $(VENV)/.local-installed
 	$(BIN)/python -m pip install -q -e '.[local,test]'
+	# Debian's nginx, unpacked into .venv/nginx (no root), for the load-balancer tests.
+	bash tools/get_nginx.sh >/dev/null
 	touch $@
 
 install: $(VENV)/.test-installed
@@ -27,7 +29,7 @@ test: $(VENV)/.test-installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-installed
-	$(BIN)/python bench/gateway_bench.py
+	$(BIN)/python -m bench.gateway_bench
 
 clean:
 	rm -rf $(VENV) .stack

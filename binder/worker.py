@@ -48,7 +48,6 @@ class ResultWorker:
 
     async def prepare(self) -> None:
         await ensure_group(self.redis, RESULTS_STREAM, BINDER_GROUP)
-        await ensure_group(self.redis, DEAD_LETTER_STREAM, "inspect")
 
     async def run(self) -> None:
         await self._drain_own_pending()

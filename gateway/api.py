@@ -105,7 +105,9 @@ async def infer(
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ApiError(422, "invalid_inputs", f"{body.model}: {where}: {first['msg']}", details=_plain(exc.errors()))
+        raise ApiError(
+            422, "invalid_inputs", f"{body.model}: {where}: {first['msg']}", details=_plain(exc.errors())
+        ) from None
     timeout_s = body.timeout_s or settings.default_timeout_s
     if timeout_s > settings.max_timeout_s:
         raise ApiError(422, "timeout_too_long", f"timeout_s may be at most {settings.max_timeout_s:g}")
@@ -287,7 +289,7 @@ async def readyz(request: Request) -> Any:
     try:
         await svc.redis.ping()
     except Exception as exc:
-        raise ApiError(503, "redis_unavailable", f"Redis is not reachable: {exc}")
+        raise ApiError(503, "redis_unavailable", f"Redis is not reachable: {exc}") from None
     if not svc.pool.ready():
         raise ApiError(503, "no_replica", "no Triton replica is ready")
     ready = [r.url for r in svc.pool.replicas if r.healthy]

@@ -315,10 +315,10 @@ def infer(
             record = _follow(client, request_id, progress, print_tokens=stream)
     except KeyboardInterrupt:
         if not request_id:
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
         print(f"\ndetached: {request_id} goes on (gateway result {request_id}, gateway cancel {request_id})",
               file=sys.stderr, flush=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     finally:
         if stopper is not None:
             stopper.close()

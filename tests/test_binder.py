@@ -92,7 +92,7 @@ async def test_results_delivered_again_three_times_concurrently_stay_n(stack, mo
         await _until(lambda: _is(mongo, isolated["MONGO_DB"], len(records)))
         await _until(lambda: _all_acknowledged(isolated["REDIS_URL"], redis, 4 * len(records)))
         for url in (first_url, second_url):  # each binder holds the whole index
-            await _until(lambda: _indexed_is(url, vectors))
+            await _until(lambda url=url: _indexed_is(url, vectors))
         assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
         assert await redis.xlen(DEAD_LETTER_STREAM) == 0
         await redis.aclose()

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import datetime, timezone
+from ipaddress import ip_address
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import pytest
 import pytest_asyncio
 import uvicorn
 from standardwebhooks import Webhook
 
+from binder.webhooks import AddressGuard, Refused, sign
 from gateway.launcher.process import free_port
 from tests.conftest import WEBHOOK_SECRET
 from tests.gateway_calls import submit, wait_result
@@ -174,3 +178,23 @@ async def test_replay_of_a_request_without_webhook_is_409(http) -> None:
     await asyncio.sleep(0.5)  # stored
     response = await http.post(f"/results/{request_id}/webhook/replay")
     assert response.status_code == 409
+
+
+def test_each_secret_during_a_rotation_verifies_the_signature() -> None:
+    old, new = WEBHOOK_SECRET, "whsec_" + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldY"
+    now = datetime.now(timezone.utc)
+    header = sign([new, old], "msg_1", now, '{"a":1}')
+    headers = {"webhook-id": "msg_1", "webhook-timestamp": str(int(now.timestamp())), "webhook-signature": header}
+    for secret in (old, new):
+        assert Webhook(secret).verify('{"a":1}', headers) == {"a": 1}
+
+
+async def test_the_address_guard_allows_public_and_allowlisted_addresses_only() -> None:
+    guard = AddressGuard(["10.1.0.0/16", "hooks.internal"])
+    assert guard._allowed("example.com", ip_address("93.184.216.34"))
+    assert guard._allowed("x", ip_address("10.1.2.3"))
+    assert guard._allowed("hooks.internal", ip_address("192.168.1.5"))
+    for private in ("127.0.0.1", "10.2.0.1", "192.168.1.5", "169.254.169.254", "::1", "::ffff:127.0.0.1"):
+        assert not guard._allowed("x", ip_address(private)), private
+    with pytest.raises(Refused):
+        await AddressGuard([]).resolve("http://localhost:9/hook")
