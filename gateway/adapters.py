@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 MAX_TEXT_CHARS = 100_000
@@ -44,12 +44,16 @@ class TextInputs(Strict):
 
 class ImageInputs(Strict):
     image: str = Field(description="PNG or JPEG file, base64-encoded", examples=["iVBORw0KGgo..."])
+    _data: bytes = PrivateAttr(default=b"")
 
-    @field_validator("image")
-    @classmethod
-    def _is_base64_image(cls, value: str) -> str:
-        decode_image(value)
-        return value
+    @model_validator(mode="after")
+    def _decode(self) -> ImageInputs:
+        self._data = decode_image(self.image)  # once: the tensor and the digest reuse it
+        return self
+
+    @property
+    def data(self) -> bytes:
+        return self._data
 
 
 class NoParameters(Strict):
@@ -94,11 +98,10 @@ class ModelAdapter:
         return self.inputs_model.model_validate(inputs), self.parameters_model.model_validate(parameters)
 
     def triton_inputs(self, inputs: Any, parameters: Any, stream: bool) -> list[InferInput]:
+        if isinstance(inputs, ImageInputs):
+            return [tensor("image", np.array([[inputs.data]], dtype=np.object_), "BYTES")]
         field = next(iter(self.inputs_model.model_fields))
-        value = getattr(inputs, field)
-        if self.inputs_model is ImageInputs:
-            return [tensor("image", np.array([[decode_image(value)]], dtype=np.object_), "BYTES")]
-        return [_text_tensor(field, value)]
+        return [_text_tensor(field, getattr(inputs, field))]
 
     def requested_outputs(self) -> list[InferRequestedOutput]:
         return [InferRequestedOutput(self.output_name)]
@@ -112,8 +115,7 @@ class ModelAdapter:
     def describe_inputs(self, inputs: Any) -> dict[str, Any]:
         """The inputs as stored with the result (images by digest, not bytes)."""
         if isinstance(inputs, ImageInputs):
-            data = decode_image(inputs.image)
-            return {"image": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
+            return {"image": {"sha256": hashlib.sha256(inputs.data).hexdigest(), "bytes": len(inputs.data)}}
         return inputs.model_dump()
 
 
