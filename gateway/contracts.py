@@ -216,8 +216,9 @@ def _unpack_vector(value: Any) -> list[float]:
     if isinstance(value, list):
         return value
     # Servers that do not keep the subtype hand back plain bytes.
-    binary = value if isinstance(value, Binary) and value.subtype == VECTOR_SUBTYPE else Binary(bytes(value), VECTOR_SUBTYPE)
-    return [float(x) for x in binary.as_vector().data]
+    if not (isinstance(value, Binary) and value.subtype == VECTOR_SUBTYPE):
+        value = Binary(bytes(value), VECTOR_SUBTYPE)
+    return [float(x) for x in value.as_vector().data]
 
 
 def _map_embedding(model: str, outputs: dict[str, Any] | None, convert: Any) -> dict[str, Any] | None:

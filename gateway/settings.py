@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+
 def _split_commas(value: object) -> object:
     if isinstance(value, str):
         text = value.strip()
