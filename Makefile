@@ -1,10 +1,10 @@
-# Two commands: `make up` starts the whole local stack, `make test` runs the tests.
+# Two commands: `make up` starts the whole local stack, `make test` runs the checks and tests.
 # Both create (or reuse) the virtual environment and install what they need.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test install bench clean
+.PHONY: up test lint install bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,13 @@ install: $(VENV)/.test-installed
 up: $(VENV)/.local-installed
 	$(BIN)/gateway up
 
-test: $(VENV)/.test-installed
+# Lint, format and type checks first: a finding fails the run before any server starts.
+lint: $(VENV)/.test-installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-installed

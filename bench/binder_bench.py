@@ -25,10 +25,10 @@ import numpy as np
 import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
 
-from binder.vectors import VectorIndex
-from gateway.contracts import RESULTS_COLLECTION
-from gateway.launcher.process import ManagedProcess, free_port
-from gateway.launcher.services import binder_spec, mongo_spec, redis_spec
+from binder.index.vectors import VectorIndex
+from gateway.common.result_store import RESULTS_COLLECTION
+from gateway.stack.process import ManagedProcess, free_port
+from gateway.stack.services import binder_spec, mongo_spec, redis_spec
 from tests.records import embedding_record, publish, text_record, unit_vectors
 
 
@@ -51,7 +51,9 @@ async def store_throughput(data: Path, redis_url: str, mongo_url: str, db: int, 
     mongo: AsyncMongoClient = AsyncMongoClient(mongo_url)
     try:
         vectors = unit_vectors(count, 384, seed=db)
-        records = [embedding_record(vectors[i].tolist()) if embeddings else text_record(f"text {i}") for i in range(count)]
+        records = [
+            embedding_record(vectors[i].tolist()) if embeddings else text_record(f"text {i}") for i in range(count)
+        ]
         began = time.perf_counter()
         for offset in range(0, count, 2000):
             await publish(redis, records[offset : offset + 2000])
@@ -96,8 +98,9 @@ def faiss_search(count: int, dim: int, queries: int, k: int) -> dict:
     }
 
 
-async def http_search(data: Path, index: VectorIndex, dim: int, redis_url: str, mongo_url: str, db: int,
-                      queries: int, k: int) -> dict:
+async def http_search(
+    data: Path, index: VectorIndex, dim: int, redis_url: str, mongo_url: str, db: int, queries: int, k: int
+) -> dict:
     """The same index, snapshotted and loaded by a binder process, queried over HTTP."""
     faiss_dir = data / "faiss" / f"binder-search-{dim}"
     index.directory = faiss_dir
@@ -117,35 +120,72 @@ async def http_search(data: Path, index: VectorIndex, dim: int, redis_url: str, 
                 latencies.append(time.perf_counter() - began)
     finally:
         binder.stop()
-    return {"p50_ms": statistics.median(latencies) * 1000, "p99_ms": float(np.percentile(latencies, 99)) * 1000,
-            "qps": queries / sum(latencies)}
+    return {
+        "p50_ms": statistics.median(latencies) * 1000,
+        "p99_ms": float(np.percentile(latencies, 99)) * 1000,
+        "qps": queries / sum(latencies),
+    }
 
 
 async def main(args: argparse.Namespace) -> str:
     data = Path(tempfile.mkdtemp(prefix="binder-bench-"))
     redis_port, mongo_port = free_port(), free_port()
-    servers = [start(redis_spec(data_dir=data, host="127.0.0.1", port=redis_port)),
-               start(mongo_spec(data_dir=data, host="127.0.0.1", port=mongo_port))]
+    servers = [
+        start(redis_spec(data_dir=data, host="127.0.0.1", port=redis_port)),
+        start(mongo_spec(data_dir=data, host="127.0.0.1", port=mongo_port)),
+    ]
     redis_url, mongo_url = f"redis://127.0.0.1:{redis_port}", f"mongodb://127.0.0.1:{mongo_port}"
-    lines = [f"Store throughput: {args.results} results published at once, one binder process, MongoDB-wire server nx-27017.",
-             "", row("results", "published in s", "all stored in s", "stored/s", "all indexed in s"),
-             row(*["---"] * 5)]
+    lines = [
+        f"Store throughput: {args.results} results published at once, one binder process, "
+        "MongoDB-wire server nx-27017.",
+        "",
+        row("results", "published in s", "all stored in s", "stored/s", "all indexed in s"),
+        row(*["---"] * 5),
+    ]
     try:
         for db, embeddings in ((1, False), (2, True)):
             r = await store_throughput(data, redis_url, mongo_url, db, embeddings, args.results)
             label = "with 384-d embeddings" if embeddings else "text only (llm)"
-            lines.append(row(label, f"{r['published_s']:.2f}", f"{r['stored_s']:.2f}",
-                             f"{args.results / r['stored_s']:.0f}",
-                             f"{r['indexed_s']:.2f}" if r["indexed_s"] else "-"))
-        lines += ["", f"Search over {args.vectors} vectors, k={args.k}, {args.queries} queries, CPU, exact inner product:", "",
-                  row("dim", "FAISS p50 ms", "FAISS p99 ms", "FAISS QPS (one query a call)", "FAISS QPS (batched)",
-                      "binder HTTP p50 ms", "binder HTTP p99 ms", "binder HTTP QPS"),
-                  row(*["---"] * 8)]
+            lines.append(
+                row(
+                    label,
+                    f"{r['published_s']:.2f}",
+                    f"{r['stored_s']:.2f}",
+                    f"{args.results / r['stored_s']:.0f}",
+                    f"{r['indexed_s']:.2f}" if r["indexed_s"] else "-",
+                )
+            )
+        lines += [
+            "",
+            f"Search over {args.vectors} vectors, k={args.k}, {args.queries} queries, CPU, exact inner product:",
+            "",
+            row(
+                "dim",
+                "FAISS p50 ms",
+                "FAISS p99 ms",
+                "FAISS QPS (one query a call)",
+                "FAISS QPS (batched)",
+                "binder HTTP p50 ms",
+                "binder HTTP p99 ms",
+                "binder HTTP QPS",
+            ),
+            row(*["---"] * 8),
+        ]
         for db, dim in ((3, 384), (4, 512)):
             f = await asyncio.to_thread(faiss_search, args.vectors, dim, args.queries, args.k)
             h = await http_search(data, f["index"], dim, redis_url, mongo_url, db, args.queries, args.k)
-            lines.append(row(dim, f"{f['p50_ms']:.2f}", f"{f['p99_ms']:.2f}", f"{f['qps_single']:.0f}",
-                             f"{f['qps_batched']:.0f}", f"{h['p50_ms']:.2f}", f"{h['p99_ms']:.2f}", f"{h['qps']:.0f}"))
+            lines.append(
+                row(
+                    dim,
+                    f"{f['p50_ms']:.2f}",
+                    f"{f['p99_ms']:.2f}",
+                    f"{f['qps_single']:.0f}",
+                    f"{f['qps_batched']:.0f}",
+                    f"{h['p50_ms']:.2f}",
+                    f"{h['p99_ms']:.2f}",
+                    f"{h['qps']:.0f}",
+                )
+            )
     finally:
         for server in reversed(servers):
             server.stop()

@@ -29,13 +29,16 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 import tritonclient.grpc.aio as triton_aio
-
-from bench.stack import local_stack
 from gateway.adapters import ADAPTERS
 
+from bench.stack import local_stack
+
 LLM_INPUTS = {"text_input": "Hello world, the gateway", "max_tokens": 32}
-INPUTS = {"clip_text": {"text": "a photo of a cat sitting on a mat"}, "text_embed": {"text": "a cat sits on the mat"},
-          "llm": {"text_input": "Hello world, the gateway", "max_tokens": 16}}
+INPUTS = {
+    "clip_text": {"text": "a photo of a cat sitting on a mat"},
+    "text_embed": {"text": "a cat sits on the mat"},
+    "llm": {"text_input": "Hello world, the gateway", "max_tokens": 16},
+}
 
 
 @dataclass
@@ -83,7 +86,9 @@ async def _once(request: dict):
 
 def sync_call(http: aiohttp.ClientSession, model: str, inputs: dict) -> Call:
     async def call() -> None:
-        async with http.post("/infer", json={"model": model, "inputs": inputs}, headers={"Prefer": "wait=30"}) as response:
+        async with http.post(
+            "/infer", json={"model": model, "inputs": inputs}, headers={"Prefer": "wait=30"}
+        ) as response:
             body = await response.json()
         if response.status != 200 or body["status"] != "succeeded":
             raise RuntimeError(str(body)[:200])
@@ -154,8 +159,11 @@ async def closed_loop(call: Call, clients: int, seconds: float) -> Samples:
 async def ttft_direct(client: triton_aio.InferenceServerClient) -> float:
     adapter = ADAPTERS["llm"]
     parsed, params = adapter.validate(LLM_INPUTS, {})
-    request = {"model_name": "llm", "inputs": adapter.triton_inputs(parsed, params, True),
-               "outputs": adapter.requested_outputs()}
+    request = {
+        "model_name": "llm",
+        "inputs": adapter.triton_inputs(parsed, params, True),
+        "outputs": adapter.requested_outputs(),
+    }
     began = time.perf_counter()
     first = None
     async for _, error in client.stream_infer(_once(request)):
@@ -197,11 +205,24 @@ async def run(args: argparse.Namespace, gateway_url: str, triton_url: str) -> st
     for call in calls.values():  # warm up every path
         await closed_loop(call, 8, 2)
 
-    lines = [f"Model `{args.model}`, open loop, {args.rounds} rounds x {args.slice:g} s per mode and rate "
-             "(latency from the scheduled send).", "",
-             row("rate (req/s)", "mode", "requests", "errors", "achieved req/s", "p50 ms", "p90 ms", "p99 ms",
-                 "added p50 ms", "added p99 ms"),
-             row(*["---"] * 10)]
+    lines = [
+        f"Model `{args.model}`, open loop, {args.rounds} rounds x {args.slice:g} s per mode and rate "
+        "(latency from the scheduled send).",
+        "",
+        row(
+            "rate (req/s)",
+            "mode",
+            "requests",
+            "errors",
+            "achieved req/s",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "added p50 ms",
+            "added p99 ms",
+        ),
+        row(*["---"] * 10),
+    ]
     for rate in args.rates:
         totals = {mode: Samples() for mode in calls}
         for _ in range(args.rounds):
@@ -209,31 +230,65 @@ async def run(args: argparse.Namespace, gateway_url: str, triton_url: str) -> st
                 totals[mode].add(await open_loop(call, rate, args.slice))
         base = totals["direct"]
         for mode, s in totals.items():
-            added = ("", "") if mode == "direct" else (f"{s.pct(50) - base.pct(50):+.2f}", f"{s.pct(99) - base.pct(99):+.2f}")
-            lines.append(row(rate, mode, len(s.latencies), s.errors, f"{s.rate:.0f}", f"{s.pct(50):.2f}",
-                             f"{s.pct(90):.2f}", f"{s.pct(99):.2f}", *added))
+            added = (
+                ("", "")
+                if mode == "direct"
+                else (f"{s.pct(50) - base.pct(50):+.2f}", f"{s.pct(99) - base.pct(99):+.2f}")
+            )
+            lines.append(
+                row(
+                    rate,
+                    mode,
+                    len(s.latencies),
+                    s.errors,
+                    f"{s.rate:.0f}",
+                    f"{s.pct(50):.2f}",
+                    f"{s.pct(90):.2f}",
+                    f"{s.pct(99):.2f}",
+                    *added,
+                )
+            )
 
-    lines += ["", f"Throughput, closed loop with {args.clients} concurrent clients, "
-              f"{args.rounds} x {args.slice:g} s per mode:", "",
-              row("mode", "requests", "errors", "req/s", "p50 ms", "p99 ms", "vs direct"), row(*["---"] * 7)]
+    lines += [
+        "",
+        f"Throughput, closed loop with {args.clients} concurrent clients, {args.rounds} x {args.slice:g} s per mode:",
+        "",
+        row("mode", "requests", "errors", "req/s", "p50 ms", "p99 ms", "vs direct"),
+        row(*["---"] * 7),
+    ]
     totals = {mode: Samples() for mode in calls}
     for _ in range(args.rounds):
         for mode, call in calls.items():
             totals[mode].add(await closed_loop(call, args.clients, args.slice))
     for mode, s in totals.items():
-        lines.append(row(mode, len(s.latencies), s.errors, f"{s.rate:.0f}", f"{s.pct(50):.2f}", f"{s.pct(99):.2f}",
-                         f"{s.rate / totals['direct'].rate:.0%}"))
+        lines.append(
+            row(
+                mode,
+                len(s.latencies),
+                s.errors,
+                f"{s.rate:.0f}",
+                f"{s.pct(50):.2f}",
+                f"{s.pct(99):.2f}",
+                f"{s.rate / totals['direct'].rate:.0%}",
+            )
+        )
 
     direct_ttft, gateway_ttft = [], []
     for _ in range(args.ttft_samples):
         direct_ttft.append(await ttft_direct(triton))
         gateway_ttft.append(await ttft_gateway(http))
     d, g = statistics.median(direct_ttft) * 1000, statistics.median(gateway_ttft) * 1000
-    lines += ["", f"Time to first token, llm (demo model), {args.ttft_samples} sequential requests each, alternating:",
-              "", row("path", "median TTFT ms", "p90 ms"), row("---", "---", "---"),
-              row("direct gRPC stream_infer", f"{d:.2f}", f"{np.percentile(direct_ttft, 90) * 1000:.2f}"),
-              row("gateway POST, events in the answer (SSE)", f"{g:.2f}", f"{np.percentile(gateway_ttft, 90) * 1000:.2f}"),
-              "", f"SSE TTFT added by the gateway: {g - d:+.2f} ms (median)"]
+    lines += [
+        "",
+        f"Time to first token, llm (demo model), {args.ttft_samples} sequential requests each, alternating:",
+        "",
+        row("path", "median TTFT ms", "p90 ms"),
+        row("---", "---", "---"),
+        row("direct gRPC stream_infer", f"{d:.2f}", f"{np.percentile(direct_ttft, 90) * 1000:.2f}"),
+        row("gateway POST, events in the answer (SSE)", f"{g:.2f}", f"{np.percentile(gateway_ttft, 90) * 1000:.2f}"),
+        "",
+        f"SSE TTFT added by the gateway: {g - d:+.2f} ms (median)",
+    ]
     await http.close()
     await triton.close()
     return "\n".join(lines)

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.launcher.process import free_port
-from gateway.launcher.stack import LocalStack
-from gateway.settings import StackSettings
+from gateway.stack.process import free_port
+from gateway.stack.settings import StackSettings
+from gateway.stack.stack import LocalStack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,21 +28,37 @@ class Endpoints:
 @contextlib.contextmanager
 def local_stack(data_dir: Path = ROOT / ".stack-bench", **service_env: str) -> Iterator[Endpoints]:
     settings = StackSettings(
-        data_dir=data_dir, triton_http_port=free_port(), triton_grpc_port=free_port(),
-        triton_metrics_port=free_port(), redis_port=free_port(), mongo_port=free_port(),
-        gateway_port=free_port(), binder_port=free_port(), allow_downloads=False,
-        llm_model=str(data_dir / "models" / "demo-gpt2") if (data_dir / "models" / "demo-gpt2").exists() else "gpt2-medium",
-        clip_model=str(data_dir / "models" / "demo-clip") if (data_dir / "models" / "demo-clip").exists() else "openai/clip-vit-base-patch32",
+        data_dir=data_dir,
+        triton_http_port=free_port(),
+        triton_grpc_port=free_port(),
+        triton_metrics_port=free_port(),
+        redis_port=free_port(),
+        mongo_port=free_port(),
+        gateway_port=free_port(),
+        binder_port=free_port(),
+        allow_downloads=False,
+        llm_model=str(data_dir / "models" / "demo-gpt2")
+        if (data_dir / "models" / "demo-gpt2").exists()
+        else "gpt2-medium",
+        clip_model=str(data_dir / "models" / "demo-clip")
+        if (data_dir / "models" / "demo-clip").exists()
+        else "openai/clip-vit-base-patch32",
     )
-    stack = LocalStack(settings, log=lambda line: print(line, file=sys.stderr),
-                       service_overrides={"LOG_LEVEL": "WARNING", **service_env})
+    stack = LocalStack(
+        settings,
+        log=lambda line: print(line, file=sys.stderr),
+        service_overrides={"LOG_LEVEL": "WARNING", **service_env},
+    )
     stack.start()
     s = settings
     try:
         yield Endpoints(
-            gateway=f"http://127.0.0.1:{s.gateway_port}", triton_grpc=f"127.0.0.1:{s.triton_grpc_port}",
-            redis=f"redis://127.0.0.1:{s.redis_port}", mongo=stack.mongo_url,
-            binder=f"http://127.0.0.1:{s.binder_port}", stack=stack,
+            gateway=f"http://127.0.0.1:{s.gateway_port}",
+            triton_grpc=f"127.0.0.1:{s.triton_grpc_port}",
+            redis=f"redis://127.0.0.1:{s.redis_port}",
+            mongo=stack.mongo_url,
+            binder=f"http://127.0.0.1:{s.binder_port}",
+            stack=stack,
         )
     finally:
         stack.stop()

@@ -12,12 +12,16 @@ def run() -> None:
     """Run the binder: result worker, index follower, webhook sender, internal API."""
     import uvicorn
 
-    from gateway.settings import BinderSettings
+    from binder.settings import BinderSettings
 
     settings = BinderSettings()
     uvicorn.run(
-        "binder.server:create_app", factory=True, host=settings.binder_host, port=settings.binder_port,
-        log_level=settings.log_level.lower(), access_log=False,
+        "binder.app:create_app",
+        factory=True,
+        host=settings.binder_host,
+        port=settings.binder_port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
     )
 
 

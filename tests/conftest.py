@@ -20,11 +20,11 @@ import redis.asyncio as aioredis
 import tritonclient.grpc.aio as triton_aio
 from pymongo import AsyncMongoClient
 
-from gateway.launcher.process import ManagedProcess, free_port
-from gateway.launcher.services import binder_spec, gateway_spec
-from gateway.launcher.stack import LocalStack
-from gateway.launcher.weights import build_tiny_clip, build_tiny_gpt2
-from gateway.settings import StackSettings
+from gateway.stack.process import ManagedProcess, free_port
+from gateway.stack.services import binder_spec, gateway_spec
+from gateway.stack.settings import StackSettings
+from gateway.stack.stack import LocalStack
+from gateway.stack.weights import build_tiny_clip, build_tiny_gpt2
 
 WEBHOOK_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -95,14 +95,21 @@ class Stack:
 
     def start_gateway(self, name: str, ready_path: str = "/readyz", **env: str) -> tuple[ManagedProcess, str]:
         port = free_port()
-        spec = gateway_spec(data_dir=self.data_dir, host="127.0.0.1", port=port, name=name, ready_path=ready_path,
-                            env={**self.launcher.service_env, **env})
+        spec = gateway_spec(
+            data_dir=self.data_dir,
+            host="127.0.0.1",
+            port=port,
+            name=name,
+            ready_path=ready_path,
+            env={**self.launcher.service_env, **env},
+        )
         return self.start(spec), f"http://127.0.0.1:{port}"
 
     def start_binder(self, name: str, **env: str) -> tuple[ManagedProcess, str]:
         port = free_port()
-        spec = binder_spec(data_dir=self.data_dir, host="127.0.0.1", port=port, name=name,
-                           env={**self.launcher.service_env, **env})
+        spec = binder_spec(
+            data_dir=self.data_dir, host="127.0.0.1", port=port, name=name, env={**self.launcher.service_env, **env}
+        )
         return self.start(spec), f"http://127.0.0.1:{port}"
 
     def start_triton(self, name: str) -> tuple[ManagedProcess, str]:
@@ -134,9 +141,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]
     data_dir = tmp_path_factory.mktemp("stack")
     settings = StackSettings(
         data_dir=data_dir,
-        triton_http_port=free_port(), triton_grpc_port=free_port(), triton_metrics_port=free_port(),
-        redis_port=free_port(), mongo_port=free_port(), gateway_port=free_port(), binder_port=free_port(),
-        llm_model=str(tiny_models["gpt2"]), clip_model=str(tiny_models["clip"]), allow_downloads=False,
+        triton_http_port=free_port(),
+        triton_grpc_port=free_port(),
+        triton_metrics_port=free_port(),
+        redis_port=free_port(),
+        mongo_port=free_port(),
+        gateway_port=free_port(),
+        binder_port=free_port(),
+        llm_model=str(tiny_models["gpt2"]),
+        clip_model=str(tiny_models["clip"]),
+        allow_downloads=False,
     )
     launcher = LocalStack(settings, log=lambda line: print(line, file=sys.stderr), service_overrides=SERVICE_ENV)
     handle = Stack(launcher=launcher, data_dir=data_dir)

@@ -6,7 +6,8 @@ import time
 
 import numpy as np
 
-from gateway.contracts import RESULTS_STREAM, ResultRecord, State, new_request_id, utc
+from gateway.protocol import IndexRef, ResultRecord, State, new_request_id, utc
+from gateway.protocol.redis_keys import RESULTS_STREAM
 
 
 def unit_vectors(count: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -15,20 +16,37 @@ def unit_vectors(count: int, dim: int, seed: int = 0) -> np.ndarray:
 
 
 def embedding_record(vector: list[float], model: str = "text_embed", text: str = "") -> ResultRecord:
-    output = {"text_embed": "embedding", "clip_text": "text_embeds", "clip_image": "image_embeds"}[model]
+    space, output = {
+        "text_embed": ("minilm", "embedding"),
+        "clip_text": ("clip", "text_embeds"),
+        "clip_image": ("clip", "image_embeds"),
+    }[model]
     now = time.time()
     return ResultRecord(
-        request_id=new_request_id(now), model=model, status=State.SUCCEEDED, inputs={"text": text},
-        outputs={output: [float(x) for x in vector]}, created_at=utc(now - 0.05), started_at=utc(now - 0.04),
-        finished_at=utc(now), attempts=1,
+        request_id=new_request_id(now),
+        model=model,
+        status=State.SUCCEEDED,
+        inputs={"text": text},
+        outputs={output: [float(x) for x in vector]},
+        created_at=utc(now - 0.05),
+        started_at=utc(now - 0.04),
+        finished_at=utc(now),
+        attempts=1,
+        index=IndexRef(space=space, output=output),
     )
 
 
 def text_record(text: str = "generated text") -> ResultRecord:
     now = time.time()
     return ResultRecord(
-        request_id=new_request_id(now), model="llm", status=State.SUCCEEDED, inputs={"text_input": "prompt"},
-        outputs={"text_output": text}, created_at=utc(now - 0.05), finished_at=utc(now), attempts=1,
+        request_id=new_request_id(now),
+        model="llm",
+        status=State.SUCCEEDED,
+        inputs={"text_input": "prompt"},
+        outputs={"text_output": text},
+        created_at=utc(now - 0.05),
+        finished_at=utc(now),
+        attempts=1,
     )
 
 

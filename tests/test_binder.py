@@ -13,11 +13,12 @@ import pytest
 import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
 
-from binder.store import ResultStore
+from binder.archive import Archiver
+from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
-from binder.worker import ResultWorker
-from gateway.contracts import BINDER_GROUP, DEAD_LETTER_STREAM, RESULTS_COLLECTION, RESULTS_STREAM
-from gateway.settings import BinderSettings
+from gateway.common.result_store import RESULTS_COLLECTION, ResultStore
+from gateway.common.streams import Entry
+from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_DEAD_LETTERS, RESULTS_STREAM
 from tests.conftest import kill_by_pid
 from tests.records import mixed_records, publish
 
@@ -94,7 +95,7 @@ async def test_results_delivered_again_three_times_concurrently_stay_n(stack, mo
         for url in (first_url, second_url):  # each binder holds the whole index
             await _until(lambda url=url: _indexed_is(url, vectors))
         assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
-        assert await redis.xlen(DEAD_LETTER_STREAM) == 0
+        assert await redis.xlen(RESULTS_DEAD_LETTERS) == 0
         await redis.aclose()
     finally:
         stack.stop(first)
@@ -104,10 +105,15 @@ async def test_results_delivered_again_three_times_concurrently_stay_n(stack, mo
 async def _all_acknowledged(redis_url: str, redis, delivered: int) -> bool:
     groups = await redis.xinfo_groups(RESULTS_STREAM)
     group = next(g for g in groups if g["name"] == BINDER_GROUP)
-    return group["pending"] == 0 and group["last-delivered-id"] == (await redis.xinfo_stream(RESULTS_STREAM))["last-generated-id"]
+    return (
+        group["pending"] == 0
+        and group["last-delivered-id"] == (await redis.xinfo_stream(RESULTS_STREAM))["last-generated-id"]
+    )
 
 
-async def test_binder_killed_mid_batch_and_restarted_stores_all_and_leaves_nothing_pending(stack, mongo, isolated) -> None:
+async def test_binder_killed_mid_batch_and_restarted_stores_all_and_leaves_nothing_pending(
+    stack, mongo, isolated
+) -> None:
     process, _ = stack.start_binder("binder-crash", BATCH_SIZE="50", **isolated)
     records = mixed_records(3000, seed=2)
     redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
@@ -135,7 +141,10 @@ async def _no_pending(redis_url: str) -> bool:
 
 def _settings(isolated: dict[str, str], stack, name: str, **extra) -> BinderSettings:
     return BinderSettings(
-        redis_url=isolated["REDIS_URL"], mongo_url=stack.mongo_url, mongo_db=isolated["MONGO_DB"], binder_name=name,
+        redis_url=isolated["REDIS_URL"],
+        mongo_url=stack.mongo_url,
+        mongo_db=isolated["MONGO_DB"],
+        binder_name=name,
         **extra,
     )
 
@@ -151,22 +160,24 @@ async def test_killed_between_the_mongodb_write_and_the_ack_stores_no_duplicate(
     records = mixed_records(40, seed=3)
     await publish(redis, records)
 
-    crashing = ResultWorker(redis, store, WebhookQueue(redis), _settings(isolated, stack, "crashing", claim_idle_ms=200))
+    crashing = Archiver(redis, store, WebhookQueue(redis), _settings(isolated, stack, "crashing", claim_idle_ms=200))
     await crashing.prepare()
 
     async def crash(*args, **kwargs):
         raise CrashBeforeAck  # the process dies right after MongoDB acknowledged the write
 
-    crashing.redis = _FailingAck(redis, crash)
-    entries = (await redis.xreadgroup(BINDER_GROUP, "crashing", {RESULTS_STREAM: ">"}, count=100))[0][1]
+    crashing.consumer.redis = _FailingAck(redis, crash)
+    read = (await redis.xreadgroup(BINDER_GROUP, "crashing", {RESULTS_STREAM: ">"}, count=100))[0][1]
+    entries = [Entry(RESULTS_STREAM, entry_id, fields) for entry_id, fields in read]
     with pytest.raises(CrashBeforeAck):
         await crashing.process(entries)
     assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
     assert await _pending(isolated["REDIS_URL"]) == len(records)
 
     await asyncio.sleep(0.3)
-    heir = ResultWorker(redis, store, WebhookQueue(redis), _settings(isolated, stack, "heir", claim_idle_ms=200))
-    await heir.reclaim()  # XAUTOCLAIM the dead consumer's entries and store them again
+    heir = Archiver(redis, store, WebhookQueue(redis), _settings(isolated, stack, "heir", claim_idle_ms=200))
+    # XAUTOCLAIM the dead consumer's entries and store them again
+    await heir.process(await heir.consumer.reclaim(RESULTS_STREAM, 100))
     assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
     assert await _pending(isolated["REDIS_URL"]) == 0
     await redis.aclose()
@@ -192,7 +203,7 @@ async def test_a_poison_entry_is_dead_lettered_after_n_attempts_while_the_rest_c
         await publish(redis, records[15:])
         await _until(lambda: _is(mongo, isolated["MONGO_DB"], len(records)))
         await _until(lambda: _dead_letters(redis, 1), timeout=30)
-        dead = (await redis.xrange(DEAD_LETTER_STREAM))[0][1]
+        dead = (await redis.xrange(RESULTS_DEAD_LETTERS))[0][1]
         assert "not a result record" in dead["error"]
         assert int(dead["deliveries"]) > 2
         await _until(lambda: _no_pending(isolated["REDIS_URL"]))
@@ -202,4 +213,4 @@ async def test_a_poison_entry_is_dead_lettered_after_n_attempts_while_the_rest_c
 
 
 async def _dead_letters(redis, expected: int) -> bool:
-    return await redis.xlen(DEAD_LETTER_STREAM) == expected
+    return await redis.xlen(RESULTS_DEAD_LETTERS) == expected

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from gateway.client import AsyncGatewayClient, GatewayClient, GatewayError
-from gateway.contracts import ResultRecord, State, new_request_id
-from gateway.schemas import Accepted
+from gateway.protocol import ResultRecord, State, new_request_id
+from gateway.protocol.http import Accepted
 
 SAMPLING = {"seed": 1234, "top_k": 40, "temperature": 1.0}
 
@@ -27,7 +27,11 @@ def llm(prompt: str, max_tokens: int) -> dict:
 def run_cli(stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GATEWAY_URL": stack.gateway_url}
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args], env=env, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "gateway.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         check=False,  # the tests read the exit status
     )
 
@@ -50,7 +54,10 @@ def idle_gateway(stack) -> Iterator[str]:
     model writes all 250 tokens in about 0.5 s, no longer than a cancel of running work
     can take to land on a 2-core machine: a mid-generation cancel would race the end."""
     process, url = stack.start_gateway(
-        "gateway-client-idle", ready_path="/healthz", REDIS_URL=stack.redis_db_url(40), TRITON_GRPC_URLS="127.0.0.1:9",
+        "gateway-client-idle",
+        ready_path="/healthz",
+        REDIS_URL=stack.redis_db_url(40),
+        TRITON_GRPC_URLS="127.0.0.1:9",
     )
     yield url
     stack.stop(process)
@@ -161,7 +168,9 @@ class _DroppingTransport(httpx.HTTPTransport):
         if len(self.event_requests) > 1:
             return response
         return httpx.Response(
-            response.status_code, headers=response.headers, stream=_DropAfter(response.stream, 4),
+            response.status_code,
+            headers=response.headers,
+            stream=_DropAfter(response.stream, 4),
             extensions=response.extensions,
         )
 

@@ -9,10 +9,9 @@ import hashlib
 import time
 from datetime import datetime
 
-
 import pytest
 
-from gateway.contracts import new_request_id
+from gateway.protocol import new_request_id
 from tests.gateway_calls import llm_body, submit, wait_result
 from tests.triton_requests import png_bytes
 
@@ -25,7 +24,8 @@ async def test_submit_answers_202_with_id_and_location_then_poll_gives_text(http
     assert len(request_id) == 36 and request_id.isalnum()
     assert response.headers["location"] == f"/results/{request_id}"
     assert body["urls"] == {
-        "result": f"/results/{request_id}", "events": f"/results/{request_id}/events",
+        "result": f"/results/{request_id}",
+        "events": f"/results/{request_id}/events",
         "cancel": f"/results/{request_id}/cancel",
     }
     assert body["status"] == "queued"
@@ -36,8 +36,9 @@ async def test_submit_answers_202_with_id_and_location_then_poll_gives_text(http
 
 
 async def test_prefer_wait_returns_200_with_the_result(http) -> None:
-    response = await http.post("/infer", json={"model": "text_embed", "inputs": {"text": "hello"}},
-                               headers={"Prefer": "wait=20"})
+    response = await http.post(
+        "/infer", json={"model": "text_embed", "inputs": {"text": "hello"}}, headers={"Prefer": "wait=20"}
+    )
     assert response.status_code == 200
     assert response.headers["preference-applied"] == "wait=20"
     record = response.json()
@@ -162,8 +163,11 @@ async def test_an_image_triton_cannot_decode_fails_with_invalid_input(http) -> N
 
 async def test_image_request_succeeds_and_stores_a_digest_not_the_bytes(http) -> None:
     image = png_bytes()
-    response = await http.post("/infer", json={"model": "clip_image", "inputs": {"image": base64.b64encode(image).decode()}},
-                               headers={"Prefer": "wait=20"})
+    response = await http.post(
+        "/infer",
+        json={"model": "clip_image", "inputs": {"image": base64.b64encode(image).decode()}},
+        headers={"Prefer": "wait=20"},
+    )
     record = response.json()
     assert record["status"] == "succeeded"
     assert len(record["outputs"]["image_embeds"]) == 32
@@ -179,11 +183,18 @@ async def test_many_concurrent_requests_all_succeed(http) -> None:
 async def test_health_readiness_and_metrics(http) -> None:
     assert (await http.get("/healthz")).json() == {"status": "ok"}
     ready = await http.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["replicas"]
+    assert ready.status_code == 200 and ready.json()["replicas_ready"] >= 1
+    assert "127.0.0.1" not in ready.text  # no addresses in a public answer
     await submit(http, {"model": "clip_text", "inputs": {"text": "metrics"}})
     metrics = (await http.get("/metrics")).text
-    for name in ("gateway_requests_accepted_total", "gateway_requests_finished_total", "gateway_backlog",
-                 "gateway_replica_inflight", "gateway_request_latency_seconds", "gateway_time_to_first_token_seconds"):
+    for name in (
+        "gateway_requests_accepted_total",
+        "gateway_requests_finished_total",
+        "gateway_backlog",
+        "gateway_replica_inflight",
+        "gateway_request_latency_seconds",
+        "gateway_time_to_first_token_seconds",
+    ):
         assert name in metrics
 
 
@@ -197,6 +208,3 @@ async def test_unknown_route_is_a_json_404(http) -> None:
     response = await http.get("/nowhere")
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
-
-
-

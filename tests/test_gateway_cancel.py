@@ -51,7 +51,10 @@ async def test_cancel_of_a_finished_request_is_409(http) -> None:
 def idle_gateway(stack):
     """A gateway whose only replica does not exist: what it accepts stays queued."""
     process, url = stack.start_gateway(
-        "gateway-idle", ready_path="/healthz", REDIS_URL=stack.redis_db_url(6), TRITON_GRPC_URLS="127.0.0.1:9",
+        "gateway-idle",
+        ready_path="/healthz",
+        REDIS_URL=stack.redis_db_url(6),
+        TRITON_GRPC_URLS="127.0.0.1:9",
     )
     yield url
     stack.stop(process)

@@ -10,15 +10,19 @@ from collections import Counter
 import httpx
 import pytest
 
-from gateway.launcher.process import ManagedProcess
+from gateway.stack.process import ManagedProcess
 from tests.conftest import kill_by_pid
 from tests.gateway_calls import llm_body, submit, wait_all
 
 
 async def test_a_full_backlog_answers_429_with_retry_after(stack) -> None:
     process, url = stack.start_gateway(
-        "gateway-full", ready_path="/healthz", REDIS_URL=stack.redis_db_url(5), TRITON_GRPC_URLS="127.0.0.1:9",
-        MAX_BACKLOG="3", RETRY_AFTER_S="2",
+        "gateway-full",
+        ready_path="/healthz",
+        REDIS_URL=stack.redis_db_url(5),
+        TRITON_GRPC_URLS="127.0.0.1:9",
+        MAX_BACKLOG="3",
+        RETRY_AFTER_S="2",
     )
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -35,8 +39,13 @@ async def test_a_full_backlog_answers_429_with_retry_after(stack) -> None:
 
 
 async def _ready_replicas(client: httpx.AsyncClient) -> list[str]:
-    response = await client.get("/readyz")
-    return response.json().get("replicas", []) if response.status_code == 200 else []
+    """Replicas in rotation, by the gateway's own gauge (/readyz names none)."""
+    response = await client.get("/metrics")
+    ready = []
+    for line in response.text.splitlines():
+        if line.startswith("gateway_replica_healthy{") and line.endswith(" 1.0"):
+            ready.append(line.split('replica="', 1)[1].split('"', 1)[0])
+    return ready
 
 
 async def _until(check, timeout: float = 60) -> None:
@@ -50,7 +59,9 @@ async def _until(check, timeout: float = 60) -> None:
 def two_replicas(stack):
     second, second_url = stack.start_triton("triton-b")
     gateway, url = stack.start_gateway(
-        "gateway-two", REDIS_URL=stack.redis_db_url(7), TRITON_GRPC_URLS=f"{stack.triton_grpc},{second_url}",
+        "gateway-two",
+        REDIS_URL=stack.redis_db_url(7),
+        TRITON_GRPC_URLS=f"{stack.triton_grpc},{second_url}",
     )
     yield {"url": url, "first": stack.triton_grpc, "second": second_url, "second_process": second}
     stack.stop(gateway)
@@ -87,7 +98,9 @@ async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(sta
         second.start()  # same ports, same model repository
         second.wait_ready(time.monotonic() + 240)
         await _until(lambda: _has_both(client, two_replicas))
-        back = await wait_all(client, await asyncio.gather(*(submit(client, llm_body(f"back {i}", 30)) for i in range(12))))
+        back = await wait_all(
+            client, await asyncio.gather(*(submit(client, llm_body(f"back {i}", 30)) for i in range(12)))
+        )
         assert two_replicas["second"] in {r["replica"] for r in back}
 
 
@@ -114,6 +127,3 @@ async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) ->
         assert any(r["attempts"] >= 2 for r in records), "no request was reclaimed from the dead gateway"
     finally:
         stack.stop(second)
-
-
-

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from gateway.launcher.process import free_port, port_is_free
+from gateway.stack.process import free_port, port_is_free
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
 
@@ -24,15 +24,22 @@ def _up_command(data_dir: Path, ports: dict[str, int]) -> list[str]:
 
 
 def _ports() -> dict[str, int]:
-    names = ("triton_http_port", "triton_grpc_port", "triton_metrics_port", "redis_port", "mongo_port",
-             "gateway_port", "binder_port")
+    names = (
+        "triton_http_port",
+        "triton_grpc_port",
+        "triton_metrics_port",
+        "redis_port",
+        "mongo_port",
+        "gateway_port",
+        "binder_port",
+    )
     return {name: free_port() for name in names}
 
 
 def test_up_starts_everything_healthy_and_ctrl_c_leaves_no_process_or_port(tmp_path, tiny_models) -> None:
     ports = _ports()
     env = {**os.environ, "STACK_LLM_MODEL": str(tiny_models["gpt2"]), "STACK_CLIP_MODEL": str(tiny_models["clip"])}
-    log = open(tmp_path / "up.log", "w+")
+    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115
     up = subprocess.Popen(_up_command(tmp_path / "data", ports), stdout=log, stderr=subprocess.STDOUT, env=env)
     started: list[psutil.Process] = []
     try:
@@ -53,7 +60,7 @@ def test_up_starts_everything_healthy_and_ctrl_c_leaves_no_process_or_port(tmp_p
         up.send_signal(signal.SIGINT)
         code = up.wait(60)
     assert code == 0
-    gone, alive = psutil.wait_procs(started, timeout=10)
+    _gone, alive = psutil.wait_procs(started, timeout=10)
     assert not alive, f"still running: {[p.pid for p in alive]}"
     assert all(port_is_free(port) for port in ports.values())
     assert "stopped; no process left behind" in (tmp_path / "up.log").read_text()
@@ -67,5 +74,7 @@ def test_up_with_a_taken_port_says_so_in_one_line(tmp_path) -> None:
         result = subprocess.run(_up_command(tmp_path / "data", ports), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert error == [f"error: port {ports['redis_port']} (Redis) is already in use: stop what listens there "
-                     "or choose another port (see `gateway up --help`)"]
+    assert error == [
+        f"error: port {ports['redis_port']} (Redis) is already in use: stop what listens there "
+        "or choose another port (see `gateway up --help`)"
+    ]

@@ -9,12 +9,11 @@ import subprocess
 import time
 from datetime import datetime
 
-
 import httpx
 import pytest
 
-from gateway.launcher.process import free_port
-from gateway.repo_tools.nginx import ensure_nginx, write_local_conf
+from gateway.deploy.nginx import ensure_nginx, write_local_conf
+from gateway.stack.process import free_port
 from tests.gateway_calls import llm_body, submit, wait_result
 
 
@@ -26,8 +25,19 @@ def nginx_in_front(stack, tmp_path_factory):
     upstreams = [url.removeprefix("http://") for _, url in gateways]
     conf = write_local_conf(workdir, http_port=port, gateways=upstreams)
     nginx = subprocess.Popen(
-        [str(ensure_nginx()), "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log"), "-g", "daemon off;"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(ensure_nginx()),
+            "-p",
+            str(workdir),
+            "-c",
+            str(conf),
+            "-e",
+            str(workdir / "error.log"),
+            "-g",
+            "daemon off;",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 15
@@ -66,17 +76,19 @@ async def test_sse_events_arrive_through_nginx_one_by_one(nginx_in_front) -> Non
 
 
 def _accepted(metrics: str) -> float:
-    return sum(float(v) for v in re.findall(r'^gateway_requests_accepted_total\{[^}]*\} (\S+)$', metrics, re.M))
+    return sum(float(v) for v in re.findall(r"^gateway_requests_accepted_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
 async def test_requests_spread_over_both_gateways(nginx_in_front) -> None:
     async with httpx.AsyncClient(timeout=30) as direct:
         before = [_accepted((await direct.get(f"{url}/metrics")).text) for url in nginx_in_front["gateways"]]
         async with httpx.AsyncClient(base_url=nginx_in_front["url"], timeout=60) as client:
-            ids = await asyncio.gather(*(submit(client, {"model": "clip_text", "inputs": {"text": f"n{i}"}}) for i in range(30)))
+            ids = await asyncio.gather(
+                *(submit(client, {"model": "clip_text", "inputs": {"text": f"n{i}"}}) for i in range(30))
+            )
             await asyncio.gather(*(wait_result(client, rid) for rid in ids))
         after = [_accepted((await direct.get(f"{url}/metrics")).text) for url in nginx_in_front["gateways"]]
-    served = [a - b for a, b in zip(after, before)]
+    served = [a - b for a, b in zip(after, before, strict=False)]
     assert sum(served) == 30
     assert all(count > 0 for count in served), served
 
@@ -86,6 +98,3 @@ async def test_nginx_refuses_an_oversized_body_with_the_api_error_format(nginx_i
         response = await client.post("/infer", content=b"x" * (9 * 1024 * 1024))
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "payload_too_large"
-
-
-

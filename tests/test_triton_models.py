@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from google.protobuf import text_format
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from tritonclient.grpc import InferRequestedOutput, model_config_pb2
 from tritonclient.utils import InferenceServerException
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.adapters import tensor
+from gateway.server.models.base import tensor
 from tests.triton_requests import bytes_tensor, llm_request, once, png_bytes, stream_texts
 
 MODEL_REPO = Path(__file__).resolve().parents[1] / "model_repo"
@@ -39,7 +39,7 @@ def reference(tiny_models: dict[str, Path]):
         ids = torch.tensor([tokenizer.encode(prompt)])
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        tokens = out[0, ids.shape[1]:].tolist()
+        tokens = out[0, ids.shape[1] :].tolist()
         return tokens[: tokens.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in tokens else tokens
 
     return tokenizer, generate
@@ -91,7 +91,11 @@ async def test_llm_cancel_mid_stream_stops_generation_within_a_step(triton) -> N
             break
     responses.cancel()
     # Triton 2.51 does not pass an ensemble's cancellation to a running step: stop it by id.
-    stop = {"model_name": "llm_generator", "inputs": [tensor("stop", np.array([[True]]), "BOOL")], "request_id": request_id}
+    stop = {
+        "model_name": "llm_generator",
+        "inputs": [tensor("stop", np.array([[True]]), "BOOL")],
+        "request_id": request_id,
+    }
     async for _ in triton.stream_infer(once(stop)):
         pass
     await asyncio.sleep(2.0)  # an unstopped run of 200 tokens would finish in this time
@@ -127,6 +131,8 @@ async def test_text_embed_with_real_minilm_weights_ranks_by_meaning(triton) -> N
     async def embed(text: str) -> np.ndarray:
         return (await _embed(triton, "text_embed", "text", text.encode(), "embedding"))[0]
 
-    cat, kitten, stocks = [await embed(t) for t in ("a cat sits on the mat", "a kitten rests on a rug", "stock markets fell sharply")]
+    cat, kitten, stocks = [
+        await embed(t) for t in ("a cat sits on the mat", "a kitten rests on a rug", "stock markets fell sharply")
+    ]
     assert cat.shape == (384,)
     assert float(cat @ kitten) > float(cat @ stocks) + 0.2

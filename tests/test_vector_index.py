@@ -12,9 +12,9 @@ import textwrap
 import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
 
-from binder.indexer import IndexFollower
-from binder.store import ResultStore
-from binder.vectors import VectorIndex
+from binder.index.follower import IndexFollower
+from binder.index.vectors import VectorIndex
+from gateway.common.result_store import ResultStore
 from tests.records import embedding_record, publish, unit_vectors
 
 CHILD = textwrap.dedent(
@@ -22,9 +22,9 @@ CHILD = textwrap.dedent(
     import asyncio, os, signal, sys
     import redis.asyncio as aioredis
     from pymongo import AsyncMongoClient
-    import binder.vectors as vectors
-    from binder.indexer import IndexFollower
-    from binder.store import ResultStore
+    import binder.index.vectors as vectors
+    from binder.index.follower import IndexFollower
+    from gateway.common.result_store import ResultStore
 
     redis_url, mongo_url, database, directory = sys.argv[1:5]
     snapshots = 0
@@ -52,7 +52,9 @@ CHILD = textwrap.dedent(
 )
 
 
-async def test_kill_during_a_snapshot_keeps_the_previous_one_and_replay_reaches_the_same_ntotal(stack, tmp_path) -> None:
+async def test_kill_during_a_snapshot_keeps_the_previous_one_and_replay_reaches_the_same_ntotal(
+    stack, tmp_path
+) -> None:
     redis_url, database = stack.redis_db_url(30), "snapshot_test"
     redis = aioredis.from_url(redis_url, decode_responses=True)
     vectors = unit_vectors(150, 384, seed=9)
@@ -60,8 +62,11 @@ async def test_kill_during_a_snapshot_keeps_the_previous_one_and_replay_reaches_
     directory = tmp_path / "faiss"
 
     child = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-c", CHILD, redis_url, stack.mongo_url, database, str(directory)],
-        capture_output=True, text=True, timeout=120,
+        subprocess.run,
+        [sys.executable, "-c", CHILD, redis_url, stack.mongo_url, database, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert any(p.name.endswith(".partial") for p in directory.iterdir()), "the kill did not hit a snapshot write"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from datetime import datetime, timezone
-from ipaddress import ip_address
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from ipaddress import ip_address
 
 import pytest
 import pytest_asyncio
@@ -16,7 +16,7 @@ import uvicorn
 from standardwebhooks import Webhook
 
 from binder.webhooks import AddressGuard, Refused, sign
-from gateway.launcher.process import free_port
+from gateway.stack.process import free_port
 from tests.conftest import WEBHOOK_SECRET
 from tests.gateway_calls import submit, wait_result
 
@@ -54,8 +54,13 @@ class Receiver:
         await asyncio.sleep(self.delays.get(path, 0))
         script = self.responses.get(path) or []
         status, extra = script.pop(0) if script else (200, {})
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(k.encode(), v.encode()) for k, v in extra.items()]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(k.encode(), v.encode()) for k, v in extra.items()],
+            }
+        )
         await send({"type": "http.response.body", "body": b"ok"})
 
     def url(self, path: str) -> str:
@@ -182,7 +187,7 @@ async def test_replay_of_a_request_without_webhook_is_409(http) -> None:
 
 def test_each_secret_during_a_rotation_verifies_the_signature() -> None:
     old, new = WEBHOOK_SECRET, "whsec_" + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldY"
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     header = sign([new, old], "msg_1", now, '{"a":1}')
     headers = {"webhook-id": "msg_1", "webhook-timestamp": str(int(now.timestamp())), "webhook-signature": header}
     for secret in (old, new):

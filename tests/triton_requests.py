@@ -10,7 +10,7 @@ import numpy as np
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import InferRequestedOutput
 
-from gateway.adapters import tensor
+from gateway.server.models.base import tensor
 
 
 def llm_request(prompt: str, max_tokens: int, *, stream: bool = True, request_id: str = "", **extra: Any) -> dict:
@@ -26,7 +26,12 @@ def llm_request(prompt: str, max_tokens: int, *, stream: bool = True, request_id
         inputs.append(tensor("random_seed", np.array([[extra["random_seed"]]], dtype=np.uint64), "UINT64"))
     if "top_k" in extra:
         inputs.append(tensor("top_k", np.array([[extra["top_k"]]], dtype=np.int32), "INT32"))
-    return {"model_name": "llm", "inputs": inputs, "outputs": [InferRequestedOutput("text_output")], "request_id": request_id}
+    return {
+        "model_name": "llm",
+        "inputs": inputs,
+        "outputs": [InferRequestedOutput("text_output")],
+        "request_id": request_id,
+    }
 
 
 async def once(request: dict) -> AsyncIterator[dict]:

@@ -10,8 +10,8 @@ from types import ModuleType
 
 import pytest
 
-from gateway.repo_tools import MODEL_REPO
-from gateway.repo_tools.render import render
+from gateway.deploy import MODEL_REPO
+from gateway.deploy.render import render
 
 # The required parameters of each templated profile, as a deployment would give them.
 REQUIRED = {
@@ -44,13 +44,13 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gateway.launcher.weights import build_tiny_gpt2
+    from gateway.stack.weights import build_tiny_gpt2
 
     return build_tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "tiny-gpt2")
 
 
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gateway.launcher.weights import build_tiny_clip
+    from gateway.stack.weights import build_tiny_clip
 
     return build_tiny_clip(tmp_path_factory.mktemp("clip") / "tiny-clip")

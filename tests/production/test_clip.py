@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from gateway.repo_tools.cli import app
-from gateway.repo_tools.clip_export import ExportedTowers, plan_steps
+from gateway.deploy.cli import app
+from gateway.deploy.clip_export import ExportedTowers, plan_steps
 
 from .conftest import load_model_py
 
@@ -86,7 +86,7 @@ def test_onnx_towers_give_the_torch_embeddings_normalised(tiny_clip: Path, tmp_p
     import torch
     from transformers import CLIPModel
 
-    from gateway.repo_tools.clip_export import export_onnx
+    from gateway.deploy.clip_export import export_onnx
 
     towers = export_onnx(str(tiny_clip), tmp_path)
     config = image_pre.load_image_config(tiny_clip)
@@ -141,7 +141,7 @@ def test_int8_plans_are_calibrated_with_modelopt_first(tmp_path: Path) -> None:
     assert len(steps) == 4
     quantize, build = steps[0].argv, steps[1].argv
     assert quantize[:3] == ["python3", "-m", "modelopt.onnx.quantization"]
-    assert ["--quantize_mode", "int8"] == quantize[5:7]
+    assert quantize[5:7] == ["--quantize_mode", "int8"]
     assert str(tmp_path / "calib_vision.npz") in quantize
     assert f"--onnx={tmp_path / 'v.int8.onnx'}" in build
     assert "--int8" in build and "--fp16" in build
@@ -154,7 +154,7 @@ def test_int8_without_calibration_data_is_refused() -> None:
 
 
 def test_calibration_data_uses_the_serving_preprocessing(tiny_clip: Path, tmp_path: Path) -> None:
-    from gateway.repo_tools.clip_export import calibration_images, calibration_texts
+    from gateway.deploy.clip_export import calibration_images, calibration_texts
 
     images = tmp_path / "images"
     images.mkdir()

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from gateway.repo_tools import ToolError
-from gateway.repo_tools.cli import app
-from gateway.repo_tools.compose import COMPOSE_FILE, DEPLOYMENT_FILE, Deployment, dump, generate
+from gateway.deploy import ToolError
+from gateway.deploy.cli import app
+from gateway.deploy.compose import COMPOSE_FILE, DEPLOYMENT_FILE, Deployment, dump, generate
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "compose-spec.json").read_text())
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gateway.repo_tools import ToolError
-from gateway.repo_tools.cli import app
-from gateway.repo_tools.engines import TRTLLM_GIT_TAG, TRTLLM_VERSION, BuildSettings, Step, run
+from gateway.deploy import ToolError
+from gateway.deploy.cli import app
+from gateway.deploy.engines import TRTLLM_GIT_TAG, TRTLLM_VERSION, BuildSettings, Step, run
 
 runner = CliRunner()
 

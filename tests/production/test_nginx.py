@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.repo_tools import ToolError
-from gateway.repo_tools.nginx import NGINX_CONF, ensure_nginx, localize, nginx_test, write_local_conf
+from gateway.deploy import ToolError
+from gateway.deploy.nginx import NGINX_CONF, ensure_nginx, localize, nginx_test, write_local_conf
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +82,7 @@ class _Gateway(BaseHTTPRequestHandler):
 
     release = threading.Event()
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         if self.path != "/events":
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

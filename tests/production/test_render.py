@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gateway.repo_tools import MODEL_REPO, ToolError
-from gateway.repo_tools.cli import app
-from gateway.repo_tools.render import PROFILES, Profile, check_repo, load_repo, parse_config, render
+from gateway.deploy import MODEL_REPO, ToolError
+from gateway.deploy.cli import app
+from gateway.deploy.render import PROFILES, Profile, check_repo, load_repo, parse_config, render
 
 from .conftest import REQUIRED
 
@@ -260,10 +260,10 @@ def test_engine_that_does_not_fit_is_refused(tmp_path: Path, engine_args: dict, 
 def test_engine_with_a_missing_rank_file_is_refused(tmp_path: Path) -> None:
     engine = _engine(tmp_path, tp=2)
     (engine / "rank1.engine").unlink()
-    with pytest.raises(ToolError, match="rank1.engine"):
+    with pytest.raises(ToolError, match=r"rank1\.engine"):
         _render_against(tmp_path, engine, tensor_parallel_size=2)
 
 
 def test_named_engine_dir_without_config_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ToolError, match="no config.json"):
+    with pytest.raises(ToolError, match=r"no config\.json"):
         _render_against(tmp_path, tmp_path)

@@ -42,7 +42,7 @@ def test_end_and_pad_ids_default_to_the_tokenizer_and_requests_can_override(toke
 
 def test_stop_words_use_the_tensorrt_llm_word_list_layout(tokenizer) -> None:
     words = ["cat", " on the mat"]
-    out = pre.preprocess(tokenizer, 100, _strings(["x"]), stop_words=_strings(words + [""]))
+    out = pre.preprocess(tokenizer, 100, _strings(["x"]), stop_words=_strings([*words, ""]))
     ids = [tokenizer.encode(w, add_special_tokens=False) for w in words]
     flat = ids[0] + ids[1]
     table = out["stop_words_list"]
@@ -75,8 +75,8 @@ def test_streamed_pieces_detokenize_to_the_whole_text(tokenizer) -> None:
 
 
 def test_detokenize_stops_at_the_sequence_length_and_drops_special_tokens(tokenizer) -> None:
-    ids = tokenizer.encode("A cat sits") + [tokenizer.eos_token_id]
-    padded = np.array([[ids + [0, 0, 0]]], dtype=np.int32)
+    ids = [*tokenizer.encode("A cat sits"), tokenizer.eos_token_id]
+    padded = np.array([[[*ids, 0, 0, 0]]], dtype=np.int32)
     text = post.detokenize(tokenizer, padded, np.array([[len(ids)]]), True)
     assert text.shape == (1, 1)
     assert text[0, 0] == b"A cat sits"

@@ -1,0 +1,138 @@
+"""The archiver: reads the `results` stream as a member of the binders' consumer group
+(the shared consumer core, gateway.common.streams), in batches, writes one MongoDB
+document per request, and acknowledges an entry only after MongoDB acknowledged its
+write. Stored results get their webhooks queued.
+
+Recovery needs no lock: entries left pending by a dead binder are reclaimed once idle;
+an entry delivered too often goes to the dead-letter stream with its error (and can be
+replayed from there); trimming drops only acknowledged entries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from redis.asyncio import Redis
+
+from binder.settings import BinderSettings
+from binder.webhooks import WebhookQueue
+from gateway.common.result_store import ResultStore
+from gateway.common.streams import Entry, StreamConsumer
+from gateway.protocol import ResultRecord
+from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_DEAD_LETTERS, RESULTS_STREAM, request_key
+
+log = logging.getLogger(__name__)
+
+# Mark the live state as stored, but never re-create a request hash that has expired.
+MARK_STORED = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then redis.call('HSET', key, 'stored', '1') end
+end
+return 1
+"""
+
+# Keep results in the stream this long even once stored: the index followers of all
+# binders read it, and a follower far behind rebuilds from MongoDB instead.
+STREAM_KEEP_S = 3600
+TRIM_EVERY_S = 30.0
+
+
+class Archiver:
+    def __init__(self, redis: Redis, store: ResultStore, webhooks: WebhookQueue, settings: BinderSettings) -> None:
+        self.redis = redis
+        self.store = store
+        self.webhooks = webhooks
+        self.settings = settings
+        self.consumer = StreamConsumer(
+            redis,
+            BINDER_GROUP,
+            settings.binder_name,
+            RESULTS_DEAD_LETTERS,
+            claim_idle_ms=settings.claim_idle_ms,
+            max_deliveries=settings.max_deliveries,
+            explain=self._explain,
+        )
+        self._mark_stored = redis.register_script(MARK_STORED)
+        self.stored_total = 0
+
+    async def prepare(self) -> None:
+        await self.consumer.ensure_group(RESULTS_STREAM)
+
+    async def run(self) -> None:
+        """Store results for good (returns only by failing; the caller restarts it)."""
+        await self.consumer.ensure_group(RESULTS_STREAM)
+        await self._drain_own_pending()
+        last_reclaim = last_trim = time.monotonic()
+        batch = self.settings.batch_size
+        while True:
+            entries = await self.consumer.read({RESULTS_STREAM: batch}, block_ms=self.settings.block_ms)
+            if entries and len(entries) < batch and self.settings.linger_ms:
+                await asyncio.sleep(self.settings.linger_ms / 1000)
+                entries += await self.consumer.read({RESULTS_STREAM: batch - len(entries)}, block_ms=None)
+            if entries:
+                await self.process(entries)
+            now = time.monotonic()
+            if now - last_reclaim >= self.settings.claim_idle_ms / 2000:
+                last_reclaim = now
+                reclaimed = await self.consumer.reclaim(RESULTS_STREAM, batch)
+                if reclaimed:
+                    log.info("reclaimed %d result entries", len(reclaimed))
+                    await self.process(reclaimed)
+            if now - last_trim >= TRIM_EVERY_S:
+                last_trim = now
+                await self.consumer.trim(RESULTS_STREAM, keep_newer_than_s=STREAM_KEEP_S)
+
+    async def _drain_own_pending(self) -> None:
+        """After a restart under the same name: what we had read but not acknowledged."""
+        while entries := await self.consumer.read_own_pending(RESULTS_STREAM, self.settings.batch_size):
+            if not await self.process(entries):
+                return  # what is left keeps failing; reclaim counts its deliveries
+
+    async def process(self, entries: list[Entry]) -> int:
+        """Store a batch; returns how many entries were acknowledged."""
+        records: dict[str, ResultRecord] = {}
+        entry_of: dict[str, list[str]] = {}
+        for entry in entries:
+            try:
+                record = ResultRecord.model_validate_json(entry.fields.get("record") or "")
+            except ValueError:
+                log.warning("entry %s is not a result record; it will be dead-lettered after retries", entry.id)
+                continue
+            records[record.request_id] = record  # the same request twice in a batch: once
+            entry_of.setdefault(record.request_id, []).append(entry.id)
+        if not records:
+            return 0
+        outcome = await self.store.insert(list(records.values()))
+        for request_id, error in outcome.failed.items():
+            log.warning("storing %s failed: %s", request_id, error)
+        if not outcome.stored:
+            return 0
+        await self._mark_stored(keys=[request_key(rid) for rid in outcome.stored])
+        await self.webhooks.enqueue([records[rid] for rid in outcome.stored])
+        acked = [entry for rid in outcome.stored for entry in entry_of[rid]]
+        await self.consumer.ack(RESULTS_STREAM, *acked)
+        self.stored_total += len(outcome.stored)
+        return len(acked)
+
+    @staticmethod
+    def _explain(entry: Entry) -> str:
+        try:
+            ResultRecord.model_validate_json(entry.fields.get("record") or "")
+        except ValueError as exc:
+            return f"not a result record: {str(exc).splitlines()[0]}"
+        return "storing failed repeatedly"
+
+    async def replay_dead_letters(self, limit: int = 1000) -> int:
+        """Put dead-lettered results back on the results stream (after the cause, say a
+        MongoDB problem, is fixed). Returns how many were requeued."""
+        entries = await self.redis.xrange(RESULTS_DEAD_LETTERS, count=limit)
+        requeued = 0
+        for entry_id, fields in entries:
+            original = json.loads(fields.get("fields") or "{}")
+            if original.get("record"):
+                await self.redis.xadd(RESULTS_STREAM, original)
+                requeued += 1
+            await self.redis.xdel(RESULTS_DEAD_LETTERS, entry_id)
+        return requeued

@@ -1,0 +1,166 @@
+"""Results in MongoDB: one document per request, keyed by request_id (the unique _id),
+kept until expires_at (TTL index). The binder writes; the gateway reads.
+
+A duplicate-key error on insert means "already stored", which makes every write
+idempotent however often a result is delivered. Embeddings are stored as BSON float32
+vectors (binary subtype 9): a quarter of the size of an array of doubles, and far
+cheaper to write."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from bson.binary import Binary, BinaryVectorDtype
+from pymongo import AsyncMongoClient, WriteConcern
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import BulkWriteError, PyMongoError
+
+from gateway.protocol import ResultRecord
+
+log = logging.getLogger(__name__)
+
+RESULTS_COLLECTION = "results"
+DUPLICATE_KEY = 11000
+VECTOR_SUBTYPE = 9
+
+
+def pack_vector(vector: list[float]) -> Binary:
+    return Binary.from_vector([float(x) for x in vector], BinaryVectorDtype.FLOAT32)
+
+
+def unpack_vector(value: Any) -> list[float]:
+    if isinstance(value, list):
+        return value
+    # Servers that do not keep the subtype hand back plain bytes.
+    if not (isinstance(value, Binary) and value.subtype == VECTOR_SUBTYPE):
+        value = Binary(bytes(value), VECTOR_SUBTYPE)
+    return [float(x) for x in value.as_vector().data]
+
+
+def _vector_output(document: dict[str, Any]) -> str | None:
+    index = document.get("index")
+    return index.get("output") if isinstance(index, dict) else None
+
+
+def record_to_document(record: ResultRecord) -> dict[str, Any]:
+    # Fields at their defaults are left out (smaller documents, cheaper writes); the
+    # record model puts them back on reading.
+    document = {"_id": record.request_id, **record.model_dump(mode="python", exclude_defaults=True)}
+    document["tenant"] = record.tenant  # always present: every read filters on it
+    name = record.index.output if record.index else None
+    if record.outputs is not None and name and record.outputs.get(name) is not None:
+        document["outputs"] = {**record.outputs, name: pack_vector(record.outputs[name])}
+    return document
+
+
+def record_from_document(document: dict[str, Any]) -> ResultRecord:
+    fields = {k: v for k, v in document.items() if k != "_id"}
+    name = _vector_output(document)
+    outputs = fields.get("outputs")
+    if name and isinstance(outputs, dict) and outputs.get(name) is not None:
+        fields["outputs"] = {**outputs, name: unpack_vector(outputs[name])}
+    return ResultRecord.model_validate(fields)
+
+
+def embedding_from_document(document: dict[str, Any]) -> tuple[str, list[float]] | None:
+    """(space, vector) of a stored document that holds an embedding."""
+    index, outputs = document.get("index"), document.get("outputs")
+    if not isinstance(index, dict) or not isinstance(outputs, dict) or outputs.get(index.get("output")) is None:
+        return None
+    return index["space"], unpack_vector(outputs[index["output"]])
+
+
+@dataclass
+class InsertOutcome:
+    stored: list[str] = field(default_factory=list)  # request ids now in MongoDB (new or already there)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> error
+
+
+class ResultStore:
+    def __init__(self, client: AsyncMongoClient, database: str, retention_s: int) -> None:
+        self.client = client
+        self.database = database
+        self.retention = timedelta(seconds=retention_s)
+        self.collection: AsyncCollection = client[database][RESULTS_COLLECTION]
+        self.replica_set = False
+
+    async def prepare(self) -> None:
+        """Indexes, and majority writes where the server is a replica set."""
+        hello = await self.client.admin.command("hello")
+        if hello.get("setName"):
+            self.replica_set = True
+            self.collection = self.client[self.database].get_collection(
+                RESULTS_COLLECTION, write_concern=WriteConcern("majority")
+            )
+        await self.collection.create_index("expires_at", expireAfterSeconds=0)
+        await self.collection.create_index([("tenant", 1), ("created_at", -1)])
+
+    async def ping(self) -> None:
+        await self.client.admin.command("ping")
+
+    # -- reading (gateway) ------------------------------------------------------------
+
+    async def get(self, request_id: str, tenant: str | None = None) -> ResultRecord | None:
+        query: dict[str, Any] = {"_id": request_id}
+        if tenant is not None:
+            query["tenant"] = tenant
+        document = await self.collection.find_one(query)
+        return record_from_document(document) if document else None
+
+    async def get_many(self, request_ids: list[str], tenant: str | None = None) -> dict[str, ResultRecord]:
+        query: dict[str, Any] = {"_id": {"$in": request_ids}}
+        if tenant is not None:
+            query["tenant"] = tenant
+        found = {}
+        async for document in self.collection.find(query):
+            record = record_from_document(document)
+            found[record.request_id] = record
+        return found
+
+    # -- writing (binder) -------------------------------------------------------------
+
+    def document(self, record: ResultRecord) -> dict[str, Any]:
+        finished = record.finished_at or record.created_at
+        stored = record.model_copy(update={"stored": True, "expires_at": finished + self.retention})
+        return record_to_document(stored)
+
+    async def insert(self, records: list[ResultRecord]) -> InsertOutcome:
+        """Insert each record once. A write that MongoDB did not acknowledge (a
+        write-concern error included) is a failure, never counted as stored."""
+        outcome = InsertOutcome()
+        if not records:
+            return outcome
+        try:
+            await self.collection.insert_many([self.document(r) for r in records], ordered=False)
+        except BulkWriteError as exc:
+            for error in exc.details.get("writeErrors", []):
+                if error.get("code") != DUPLICATE_KEY:
+                    outcome.failed[records[error["index"]].request_id] = error.get("errmsg", "write failed")
+            concern = exc.details.get("writeConcernErrors") or []
+            if concern:
+                message = concern[0].get("errmsg", "write concern not satisfied")
+                for record in records:
+                    outcome.failed.setdefault(record.request_id, f"write concern: {message}")
+        except PyMongoError as exc:
+            for record in records:
+                outcome.failed[record.request_id] = f"{type(exc).__name__}: {exc}"
+        outcome.stored = [r.request_id for r in records if r.request_id not in outcome.failed]
+        return outcome
+
+    async def set_webhook_status(self, request_id: str, status: str, attempts: list[dict[str, Any]]) -> None:
+        # The whole list is set (not $push) so a retried update cannot append twice.
+        await self.collection.update_one(
+            {"_id": request_id}, {"$set": {"webhook_status": status, "webhook_attempts": attempts}}
+        )
+
+    def embeddings(self) -> AsyncIterator[dict[str, Any]]:
+        """Every stored result that holds an embedding (for rebuilding the index)."""
+        cursor = self.collection.find(
+            {"index": {"$exists": True}, "status": "succeeded"},
+            {"index": 1, "outputs": 1, "tenant": 1, "expires_at": 1},
+        )
+        return cursor.__aiter__()

@@ -1,0 +1,68 @@
+"""Reconnect policies (tenacity) for the long-running loops of both server roles: a
+loop that loses Redis or MongoDB waits with jittered exponential backoff and goes on,
+logging each failure, never spinning and never giving up. Each supervised loop keeps
+its health, so /healthz can say when a worker keeps failing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
+
+log = logging.getLogger(__name__)
+
+
+def _transient(exc: BaseException) -> bool:
+    return not isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | SystemExit)
+
+
+def backoff(what: str, *, initial: float = 0.1, maximum: float = 5.0, attempts: int | None = None) -> AsyncRetrying:
+    """`async for attempt in backoff("x"): with attempt: ...`: retry with backoff,
+    forever unless `attempts` is given."""
+    from tenacity import stop_after_attempt, stop_never
+
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        delay = state.next_action.sleep if state.next_action else 0.0
+        log.warning("%s failed (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, delay)
+
+    return AsyncRetrying(
+        retry=retry_if_exception(_transient),
+        wait=wait_exponential_jitter(initial=initial, max=maximum),
+        stop=stop_after_attempt(attempts) if attempts else stop_never,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+
+
+@dataclass
+class LoopHealth:
+    """How a supervised loop is doing: failing means it failed within the last window."""
+
+    name: str
+    failures: int = 0
+    last_failure: float = 0.0
+    last_error: str = ""
+
+    def failing(self, window_s: float = 30.0) -> bool:
+        return self.failures > 0 and time.time() - self.last_failure < window_s
+
+
+async def supervise(health: LoopHealth, step: Callable[[], Awaitable[None]]) -> None:
+    """Run `step` (a loop that only returns by failing) for good, restarting it with
+    backoff after each failure and recording the failure in `health`."""
+    async for attempt in backoff(health.name, maximum=5.0):
+        with attempt:
+            try:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                health.failures += 1
+                health.last_failure = time.time()
+                health.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                raise

@@ -1,0 +1,44 @@
+"""Settings common to the server roles (gateway, binder), read from the environment
+(and an optional `.env` file) by pydantic-settings. Each role has its own class holding
+only what it reads; names are the environment variables in upper case."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split_commas(value: object) -> object:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+# A list from the environment: JSON, or "a,b,c".
+CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
+
+
+class ServiceSettings(BaseSettings):
+    """What every long-running server process needs: where Redis and MongoDB are."""
+
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # A Redis that stops answering fails a call after this long instead of hanging it.
+    redis_timeout_s: float = Field(default=5.0, gt=0)
+    redis_max_connections: int = Field(default=256, ge=8)
+    mongo_url: str = "mongodb://127.0.0.1:27017"
+    mongo_db: str = "triton_gateway"
+    mongo_timeout_s: float = Field(default=5.0, gt=0)
+    # How long a stored result is kept in MongoDB (TTL index on expires_at).
+    result_retention_s: int = Field(default=7 * 24 * 3600, gt=0)
+    # How long Redis keeps a request's live state and event stream after it ends.
+    live_state_ttl_s: int = Field(default=24 * 3600, gt=0)
+    log_level: str = "INFO"
+    log_format: Literal["console", "json"] = "console"

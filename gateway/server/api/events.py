@@ -1,0 +1,91 @@
+"""GET /results/<id>/events: Server-Sent Events of a request.
+
+queued, running, token (llm with stream) or output, then completed / failed / canceled /
+expired. Each event's id is its Redis stream id, so Last-Event-ID resumes with nothing
+lost or repeated; a resume after the terminal event answers 204 (nothing more will come:
+EventSource clients stop reconnecting)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from gateway.common.streams import stream_id_order
+from gateway.protocol import TERMINAL_EVENT, ResultRecord
+from gateway.protocol.http import LiveStatus
+from gateway.protocol.redis_keys import events_key
+from gateway.server.api.errors import ApiError
+from gateway.server.api.tenancy import Caller, caller
+from gateway.server.results.events import TERMINAL_KINDS, TooManyStreams
+from gateway.server.services import Services, services
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_MAX_ID_PART = 2**64 - 1
+
+
+def parse_event_id(value: str) -> str:
+    """A Redis stream id (ms-seq, each an unsigned 64-bit number), or 422."""
+    millis, dash, seq = value.partition("-")
+    if (
+        not dash
+        or not millis.isdigit()
+        or not seq.isdigit()
+        or len(millis) > 20
+        or len(seq) > 20
+        or int(millis) > _MAX_ID_PART
+        or int(seq) > _MAX_ID_PART
+    ):
+        raise ApiError(422, "invalid_last_event_id", "Last-Event-ID must be an event id this stream sent")
+    return f"{int(millis)}-{int(seq)}"
+
+
+@router.get(
+    "/results/{request_id}/events",
+    summary="Server-Sent Events of a request",
+    responses={
+        204: {"description": "Nothing after Last-Event-ID: the request has ended"},
+        404: {"description": "Unknown id"},
+        410: {"description": "Result expired"},
+    },
+)
+async def result_events(
+    request_id: str,
+    request: Request,
+    who: Annotated[Caller, Depends(caller)],
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
+) -> Any:
+    svc = services(request)
+    after = parse_event_id(last_event_id) if last_event_id is not None else "0-0"
+    job = await svc.results.job(request_id, who.scope)
+    if job is None or not await svc.redis.exists(events_key(request_id)):
+        # Events are kept for a while after the end; after that, replay the stored record.
+        outcome = await svc.results.get(request_id, who.scope)  # 404 / 410 for unknown ids
+        return EventSourceResponse(_replay_record(outcome, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
+    last = await svc.redis.xrevrange(events_key(request_id), count=1)
+    if last and last[0][1].get("event") in TERMINAL_KINDS and stream_id_order(after) >= stream_id_order(last[0][0]):
+        return Response(status_code=204)
+    return EventSourceResponse(sse_events(svc, request_id, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
+
+
+async def sse_events(svc: Services, request_id: str, after: str) -> AsyncIterator[ServerSentEvent]:
+    try:
+        async for event in svc.events.follow(request_id, after):
+            yield ServerSentEvent(data=event.data, event=event.kind, id=event.id)
+    except TooManyStreams as exc:
+        yield ServerSentEvent(data=f'{{"code": "too_many_streams", "message": "{exc}"}}', event="error")
+
+
+async def _replay_record(outcome: ResultRecord | LiveStatus, after: str) -> AsyncIterator[ServerSentEvent]:
+    if isinstance(outcome, ResultRecord) and outcome.status in TERMINAL_EVENT:
+        millis = int(outcome.finished_at.timestamp() * 1000) if outcome.finished_at else 0
+        event_id = f"{millis}-0"
+        if stream_id_order(event_id) > stream_id_order(after):
+            yield ServerSentEvent(
+                data=outcome.model_dump_json(), event=TERMINAL_EVENT[outcome.status].value, id=event_id
+            )

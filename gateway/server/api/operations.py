@@ -1,0 +1,56 @@
+"""Operations: liveness, readiness, Prometheus metrics, and the models served."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.server.api.errors import ApiError
+from gateway.server.services import services
+
+router = APIRouter()
+
+CHECK_TIMEOUT_S = 2.0
+
+
+@router.get("/healthz", summary="Liveness")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    summary="Readiness: Redis and MongoDB reachable, a Triton replica ready",
+    responses={503: {"description": "redis_unavailable, mongo_unavailable or no_replica"}},
+)
+async def readyz(request: Request) -> Any:
+    svc = services(request)
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S):
+            await svc.redis.ping()
+    except Exception:
+        raise ApiError(503, "redis_unavailable", "Redis is not answering") from None
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S):
+            await svc.store.ping()
+    except Exception:
+        raise ApiError(503, "mongo_unavailable", "MongoDB is not answering") from None
+    if not svc.pool.ready():
+        raise ApiError(503, "no_replica", "no Triton replica is ready")
+    ready = sum(1 for r in svc.pool.replicas if r.healthy and not r.removed)
+    return {"status": "ready", "replicas_ready": ready}
+
+
+@router.get("/models", summary="The models this gateway serves")
+async def models(request: Request) -> dict[str, Any]:
+    svc = services(request)
+    return {"models": [adapter.describe() for _, adapter in sorted(svc.registry.adapters.items())]}
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(services(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,43 @@
+"""Prometheus metrics of one gateway process (scrape each process's /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.accepted = Counter("gateway_requests_accepted_total", "Requests accepted (202)", ["model"], registry=r)
+        self.rejected = Counter(
+            "gateway_requests_rejected_total", "Requests refused with a 4xx, by error code", ["code"], registry=r
+        )
+        self.finished = Counter(
+            "gateway_requests_finished_total",
+            "Requests that reached a terminal state here",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.backlog = Gauge("gateway_backlog", "Accepted requests not yet started (all gateways)", registry=r)
+        self.inflight = Gauge(
+            "gateway_replica_inflight", "Requests in flight per Triton replica", ["replica"], registry=r
+        )
+        self.replica_healthy = Gauge(
+            "gateway_replica_healthy", "1 if the replica is in rotation", ["replica"], registry=r
+        )
+        self.latency = Histogram(
+            "gateway_request_latency_seconds", "Accepted to terminal", ["model"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds", "Accepted to started", ["model"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Started to first response from Triton",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )

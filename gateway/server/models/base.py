@@ -1,0 +1,127 @@
+"""What every model adapter provides. An adapter validates a request (before it is
+queued) and, for each run on a replica, makes a Run: the Triton inputs to send, what to
+emit as each response arrives, and the outputs at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
+
+from gateway.protocol import IndexRef, Usage
+
+
+class InvalidInput(Exception):
+    """The request cannot be served as asked (422, before anything is queued)."""
+
+    def __init__(self, code: str, message: str, details: Any = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.details = code, message, details
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Generated text to emit as a token event; ids are the token ids behind it."""
+
+    text: str
+    ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Resume:
+    """What an earlier, interrupted run of the same request already sent: how many
+    pieces, and (engine path) the token ids behind them."""
+
+    pieces: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Run:
+    """One attempt of one request on one replica."""
+
+    triton_model: str
+    decoupled: bool = False
+
+    def inputs(self, stream: bool) -> list[InferInput]:
+        raise NotImplementedError
+
+    def outputs(self) -> list[InferRequestedOutput]:
+        raise NotImplementedError
+
+    def take(self, result: InferResult) -> list[Piece]:
+        """A response from Triton; returns the pieces of text to emit (if any)."""
+        raise NotImplementedError
+
+    def final(self) -> tuple[dict[str, Any], Usage | None]:
+        """The outputs (and token usage) once the last response has arrived; also what
+        was produced so far, for a run that was cut short."""
+        raise NotImplementedError
+
+    @property
+    def produced(self) -> bool:
+        """Whether anything reached the client already (a retry must not repeat it)."""
+        return False
+
+    def carry_from(self, previous: Run) -> None:
+        """Continue where `previous` (a failed run of the same request) stopped."""
+
+
+class ModelAdapter:
+    """A model clients can name. Subclasses: embedding, llm (engine or ensemble)."""
+
+    kind: str = ""
+    decoupled: bool = False
+    # Where this model's embeddings go in the vector index.
+    index: IndexRef | None = None
+    # A model on the same Triton that ends a running request by its id (see
+    # llm_generator), for ensembles, which do not pass cancellation on.
+    stop_model: str | None = None
+    # A new run can continue an interrupted one from the tokens it sent (engine path).
+    resumable: bool = False
+
+    def __init__(self, name: str, triton_model: str) -> None:
+        self.name = name
+        self.triton_model = triton_model
+
+    def validate(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> Any:
+        """Raises InvalidInput. Returns what new_run() takes."""
+        raise NotImplementedError
+
+    def stored_inputs(self, prepared: Any) -> dict[str, Any]:
+        """The inputs as stored with the result (images by digest, not bytes)."""
+        raise NotImplementedError
+
+    def new_run(self, prepared: Any, resume: Resume | None = None) -> Run:
+        raise NotImplementedError
+
+    def deterministic(self, prepared: Any) -> bool:
+        """Whether running the request again gives the same output (greedy or seeded)."""
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.name, "kind": self.kind, "triton_model": self.triton_model}
+
+
+def check(model: type[BaseModel], value: dict[str, Any], what: str, code: str) -> Any:
+    """Validate with pydantic, turning its error into InvalidInput."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = f"{what}: {where}: {first['msg']}" if where else f"{what}: {first['msg']}"
+        plain = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        raise InvalidInput(code, message, plain) from None
+
+
+def tensor(name: str, value: np.ndarray, datatype: str) -> InferInput:
+    item = InferInput(name, list(value.shape), datatype)
+    item.set_data_from_numpy(value)
+    return item
+
+
+def bytes_tensor(name: str, value: bytes) -> InferInput:
+    return tensor(name, np.array([[value]], dtype=np.object_), "BYTES")

@@ -1,0 +1,74 @@
+"""Embedding models: one text or image in, one L2-normalised vector out (not decoupled)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
+
+from gateway.protocol import IndexRef, Usage
+from gateway.server.models.base import ModelAdapter, Resume, Run, bytes_tensor, check
+from gateway.server.models.inputs import ImageInputs, NoParameters, TextInputs
+
+
+class EmbeddingRun(Run):
+    def __init__(self, adapter: EmbeddingAdapter, prepared: TextInputs | ImageInputs) -> None:
+        self.triton_model = adapter.triton_model
+        self.adapter = adapter
+        self.prepared = prepared
+        self.vector: list[float] | None = None
+
+    def inputs(self, stream: bool) -> list[InferInput]:
+        if isinstance(self.prepared, ImageInputs):
+            return [bytes_tensor(self.adapter.input_name, self.prepared.data)]
+        return [bytes_tensor(self.adapter.input_name, self.prepared.text.encode("utf-8"))]
+
+    def outputs(self) -> list[InferRequestedOutput]:
+        return [InferRequestedOutput(self.adapter.output_name)]
+
+    def take(self, result: InferResult) -> list:
+        self.vector = result.as_numpy(self.adapter.output_name).reshape(-1).astype(float).tolist()
+        return []
+
+    def final(self) -> tuple[dict[str, Any], Usage | None]:
+        return ({self.adapter.output_name: self.vector} if self.vector is not None else {}), None
+
+
+class EmbeddingAdapter(ModelAdapter):
+    kind = "embedding"
+
+    def __init__(
+        self,
+        name: str,
+        triton_model: str,
+        *,
+        input_kind: str,
+        output_name: str,
+        space: str | None,
+        dimensions: int | None = None,
+    ) -> None:
+        super().__init__(name, triton_model)
+        self.input_kind = input_kind  # "text" or "image"
+        self.input_name = "image" if input_kind == "image" else "text"
+        self.output_name = output_name
+        self.space = space
+        self.dimensions = dimensions
+        self.index = IndexRef(space=space, output=output_name) if space else None
+        self._inputs = ImageInputs if input_kind == "image" else TextInputs
+
+    def validate(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> TextInputs | ImageInputs:
+        prepared = check(self._inputs, inputs, self.name, "invalid_inputs")
+        check(NoParameters, parameters, self.name, "invalid_inputs")
+        return prepared
+
+    def stored_inputs(self, prepared: TextInputs | ImageInputs) -> dict[str, Any]:
+        if isinstance(prepared, ImageInputs):
+            return {"image": {"sha256": hashlib.sha256(prepared.data).hexdigest(), "bytes": len(prepared.data)}}
+        return prepared.model_dump()
+
+    def new_run(self, prepared: TextInputs | ImageInputs, resume: Resume | None = None) -> Run:
+        return EmbeddingRun(self, prepared)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "input": self.input_kind, "space": self.space, "dimensions": self.dimensions}

@@ -1,0 +1,68 @@
+"""Request inputs and parameters per model kind, validated before anything is queued.
+Every string and list has a limit."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, model_validator
+
+MAX_TEXT_CHARS = 100_000
+MAX_IMAGE_BASE64 = 11 * 1024 * 1024
+# A stop or bad word: short text, as TensorRT-LLM's word lists expect.
+Word = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+# What image files begin with: PNG, JPEG, GIF, WebP (RIFF), BMP.
+_IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"RIFF", b"BM")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LlmInputs(Strict):
+    text_input: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, examples=["Hello, my name is"])
+    max_tokens: int = Field(default=64, ge=1, le=4096)
+    stop_words: list[Word] = Field(default_factory=list, max_length=16)
+    bad_words: list[Word] = Field(default_factory=list, max_length=64)
+
+
+class LlmParameters(Strict):
+    temperature: float | None = Field(default=None, ge=0, le=10)
+    top_k: int | None = Field(default=None, ge=0, le=1000)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+class TextInputs(Strict):
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, examples=["a cat sits on the mat"])
+
+
+class ImageInputs(Strict):
+    image: str = Field(max_length=MAX_IMAGE_BASE64, description="PNG or JPEG file, base64-encoded")
+    _data: bytes = PrivateAttr(default=b"")
+
+    @model_validator(mode="after")
+    def _decode(self) -> ImageInputs:
+        self._data = decode_image(self.image)  # once: the tensor and the digest reuse it
+        return self
+
+    @property
+    def data(self) -> bytes:
+        return self._data
+
+
+class NoParameters(Strict):
+    pass
+
+
+def decode_image(value: str) -> bytes:
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("image is not valid base64") from None
+    if not data.startswith(_IMAGE_SIGNATURES):
+        raise ValueError("image is not a PNG, JPEG, GIF, WebP or BMP file")
+    return data

@@ -1,0 +1,132 @@
+"""Which models exist, read once from a TOML file (MODELS_FILE) or, without one, the
+local profile's models. Everything the gateway knows about a model comes from here:
+its Triton name, kind, inputs, embedding space, and how a running request is stopped.
+
+    [[model]]
+    name = "text_embed"         # what clients ask for
+    kind = "embedding"          # embedding | llm
+    triton_model = "text_embed" # default: name
+    input = "text"              # embedding: text | image
+    output = "embedding"        # embedding: the output tensor
+    space = "minilm"            # embedding: vector-index space (optional)
+
+    [[model]]
+    name = "llm"
+    kind = "llm"
+    mode = "ensemble"           # llm: engine (token ids, the gateway tokenizes) | ensemble (text)
+    stop_model = "llm_generator"
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.server.models.base import InvalidInput, ModelAdapter
+from gateway.server.models.embedding import EmbeddingAdapter
+from gateway.server.models.llm_ensemble import EnsembleLlmAdapter
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    kind: Literal["embedding", "llm"]
+    triton_model: str | None = None
+    # embedding
+    input: Literal["text", "image"] = "text"
+    output: str = "embedding"
+    space: str | None = None
+    dimensions: int | None = None
+    # llm
+    mode: Literal["engine", "ensemble"] = "ensemble"
+    stop_model: str | None = None
+    tokenizer: str | None = None  # engine mode: a Hugging Face tokenizer directory ($VARS expanded)
+    max_input_tokens: int | None = None
+    max_output_tokens: int = 4096
+    tokens_per_block: int = 32
+
+    @model_validator(mode="after")
+    def _engine_needs_tokenizer(self) -> ModelSpec:
+        if self.kind == "llm" and self.mode == "engine" and not self.tokenizer:
+            raise ValueError(f"model {self.name}: engine mode needs a tokenizer directory")
+        return self
+
+
+LOCAL_PROFILE = [
+    ModelSpec(name="llm", kind="llm", mode="ensemble", stop_model="llm_generator"),
+    ModelSpec(name="clip_image", kind="embedding", input="image", output="image_embeds", space="clip"),
+    ModelSpec(name="clip_text", kind="embedding", input="text", output="text_embeds", space="clip"),
+    ModelSpec(name="text_embed", kind="embedding", input="text", output="embedding", space="minilm", dimensions=384),
+]
+
+
+def load_specs(path: Path | None) -> list[ModelSpec]:
+    if path is None:
+        return list(LOCAL_PROFILE)
+    document = tomllib.loads(path.read_text())
+    return [ModelSpec.model_validate(entry) for entry in document.get("model", [])]
+
+
+def build_adapter(spec: ModelSpec) -> ModelAdapter:
+    triton_model = spec.triton_model or spec.name
+    if spec.kind == "embedding":
+        return EmbeddingAdapter(
+            spec.name,
+            triton_model,
+            input_kind=spec.input,
+            output_name=spec.output,
+            space=spec.space,
+            dimensions=spec.dimensions,
+        )
+    if spec.mode == "engine":
+        from gateway.server.models.llm_engine import EngineLlmAdapter
+
+        return EngineLlmAdapter(spec, triton_model, tokenizer_dir=os.path.expandvars(spec.tokenizer or ""))
+    return EnsembleLlmAdapter(spec.name, triton_model, stop_model=spec.stop_model)
+
+
+class ModelRegistry:
+    def __init__(self, specs: list[ModelSpec]) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique: {names}")
+        self.specs = {s.name: s for s in specs}
+        self.adapters: dict[str, ModelAdapter] = {s.name: build_adapter(s) for s in specs}
+
+    @classmethod
+    def from_file(cls, path: Path | None) -> ModelRegistry:
+        return cls(load_specs(path))
+
+    def get(self, name: str) -> ModelAdapter:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise InvalidInput("unknown_model", f"unknown model {name!r}; served: {', '.join(sorted(self.adapters))}")
+        return adapter
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.adapters
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.adapters)
+
+    def embedder(self, space: str, input_kind: str) -> EmbeddingAdapter | None:
+        """The model that embeds `input_kind` (text or image) into `space`, for search."""
+        for adapter in self.adapters.values():
+            if isinstance(adapter, EmbeddingAdapter) and adapter.space == space and adapter.input_kind == input_kind:
+                return adapter
+        return None
+
+    def spaces(self, input_kind: str) -> list[str]:
+        return sorted(
+            {
+                a.space
+                for a in self.adapters.values()
+                if isinstance(a, EmbeddingAdapter) and a.space and a.input_kind == input_kind
+            }
+        )

@@ -1,0 +1,187 @@
+"""The pool of Triton replicas: one long-lived gRPC client each, health probes, and
+least-outstanding choice (LLMs get a cache-aware choice through a router).
+
+A replica is used only while its last probe found the server ready and listing the
+model READY. A replica that fails a call at the transport level is ejected at once and
+comes back when a probe finds it healthy again. The set of replicas can change while
+running (DNS discovery): new addresses join, gone ones leave once idle."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import tritonclient.grpc.aio as triton_aio
+from tritonclient.grpc import KeepAliveOptions
+
+log = logging.getLogger(__name__)
+
+# Find a peer that vanished without closing its connection (a partition, a dead host).
+KEEPALIVE = KeepAliveOptions(keepalive_time_ms=10_000, keepalive_timeout_ms=5_000, keepalive_permit_without_calls=True)
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    client: triton_aio.InferenceServerClient
+    max_inflight: int
+    inflight: int = 0
+    healthy: bool = False
+    ready_models: frozenset[str] = field(default_factory=frozenset)
+    last_error: str = ""
+    # Bumped each time the replica comes back after being unhealthy (a restart, maybe).
+    generation: int = 0
+    removed: bool = False
+
+    def serves(self, model: str) -> bool:
+        return self.healthy and not self.removed and model in self.ready_models
+
+    def has_room(self) -> bool:
+        return self.inflight < self.max_inflight
+
+
+class ReplicaPool:
+    def __init__(
+        self, urls: Iterable[str], *, max_inflight: int, probe_interval_s: float, probe_timeout_s: float
+    ) -> None:
+        self.max_inflight = max_inflight
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.replicas: list[Replica] = []
+        self._changed = asyncio.Condition()
+        self._rotation = itertools.count()
+        self._probe_task: asyncio.Task[None] | None = None
+        # Called with a replica when it (re)joins the rotation, e.g. to drop routing state.
+        self.on_admitted: list[Callable[[Replica], None]] = []
+        for url in urls:
+            self._add(url)
+
+    def _add(self, url: str) -> Replica:
+        replica = Replica(
+            url=url,
+            client=triton_aio.InferenceServerClient(url, keepalive_options=KEEPALIVE),
+            max_inflight=self.max_inflight,
+        )
+        self.replicas.append(replica)
+        return replica
+
+    async def set_urls(self, urls: Iterable[str]) -> None:
+        """Make the pool hold exactly these replicas (discovery). New ones are probed
+        before use; removed ones take no new work and close once idle."""
+        wanted = list(dict.fromkeys(urls))
+        current = {r.url: r for r in self.replicas if not r.removed}
+        for url in wanted:
+            if url not in current:
+                log.info("replica %s discovered", url)
+                await self._probe(self._add(url))
+        for url, replica in current.items():
+            if url not in wanted:
+                log.info("replica %s gone from discovery", url)
+                replica.removed = True
+        await self._close_idle_removed()
+
+    async def _close_idle_removed(self) -> None:
+        for replica in [r for r in self.replicas if r.removed and r.inflight == 0]:
+            self.replicas.remove(replica)
+            await replica.client.close()
+
+    async def start(self) -> None:
+        await self.probe_all()
+        self._probe_task = asyncio.create_task(self._probe_forever(), name="replica-probes")
+
+    async def close(self) -> None:
+        if self._probe_task:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+        for replica in self.replicas:
+            await replica.client.close()
+
+    # -- health --------------------------------------------------------------------------
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                ready = await replica.client.is_server_ready()
+                index = await replica.client.get_model_repository_index(as_json=True) if ready else {}
+            models = frozenset(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
+            healthy = bool(ready and models)
+            error = "" if healthy else "server not ready"
+        except Exception as exc:  # unreachable, timeout, gRPC error: all mean not usable now
+            healthy, models, error = False, frozenset(), f"{type(exc).__name__}: {exc}"
+        if healthy and not replica.healthy:
+            replica.generation += 1
+            log.warning("replica %s admitted", replica.url)
+            for callback in self.on_admitted:
+                callback(replica)
+        elif replica.healthy and not healthy:
+            log.warning("replica %s ejected: %s", replica.url, error)
+        replica.healthy, replica.ready_models, replica.last_error = healthy, models, error
+        if healthy:
+            await self._notify()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(r) for r in list(self.replicas) if not r.removed))
+        await self._close_idle_removed()
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            await self.probe_all()
+
+    def eject(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("replica %s ejected: %s", replica.url, reason)
+        replica.healthy, replica.last_error = False, reason
+
+    # -- choosing ------------------------------------------------------------------------
+
+    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+        """Healthy replicas serving the model with room. A replica in `exclude` (it just
+        failed this request) is left out only while another one can serve."""
+        serving = [r for r in self.replicas if r.serves(model)]
+        others = [r for r in serving if r.url not in exclude]
+        pool = others or serving
+        return [r for r in pool if r.has_room()]
+
+    def least_outstanding(self, candidates: list[Replica]) -> Replica:
+        offset = next(self._rotation) % len(candidates)
+        rotated = candidates[offset:] + candidates[:offset]
+        return min(rotated, key=lambda r: r.inflight)
+
+    async def acquire(
+        self,
+        model: str,
+        timeout: float,
+        exclude: frozenset[str] = frozenset(),
+        choose: Callable[[list[Replica]], Replica] | None = None,
+    ) -> Replica:
+        """Wait up to timeout for a replica with a free slot (TimeoutError after); it
+        counts as in flight until release(). `choose` picks among the candidates."""
+        async with asyncio.timeout(max(timeout, 0)):
+            async with self._changed:
+                while not (found := self.candidates(model, exclude)):
+                    await self._changed.wait()
+                replica = (choose or self.least_outstanding)(found)
+                replica.inflight += 1
+        return replica
+
+    async def release(self, replica: Replica) -> None:
+        replica.inflight -= 1
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def free_slots(self, model: str) -> int:
+        """Room for more requests of this model on the replicas serving it."""
+        return sum(max(0, r.max_inflight - r.inflight) for r in self.replicas if r.serves(model))
+
+    def ready(self) -> bool:
+        return any(r.healthy and not r.removed for r in self.replicas)
+
+    def serving(self, model: str) -> list[Replica]:
+        return [r for r in self.replicas if r.serves(model)]

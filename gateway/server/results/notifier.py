@@ -1,0 +1,89 @@
+"""Wake long-polls the moment a request ends.
+
+One Redis pub/sub subscription per process (channel `done`, published by the finish
+script with the request id and its record) feeds in-process futures, so a thousand
+waiting clients cost one connection and no extra read. Pub/sub may drop a message
+while reconnecting, so on every (re)subscription all waiters are told to look again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from redis.asyncio import Redis
+
+from gateway.common.retry import LoopHealth, supervise
+from gateway.protocol.redis_keys import DONE_CHANNEL
+
+log = logging.getLogger(__name__)
+
+
+class CompletionNotifier:
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        # Each future gets the record's JSON, or None for "look again" (after a reconnect).
+        self._waiters: dict[str, set[asyncio.Future[str | None]]] = defaultdict(set)
+        self._task: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+        self.health = LoopHealth("completion channel")
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(supervise(self.health, self._listen), name="completion-notifier")
+        try:
+            await asyncio.wait_for(self._subscribed.wait(), timeout=10)
+        except TimeoutError:
+            log.warning("completion channel not subscribed yet; long-polls re-check on their own until it is")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _listen(self) -> None:
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.subscribe(DONE_CHANNEL)
+            self._subscribed.set()
+            self._wake_all()  # endings published while we were not listening: look again
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                if message is None:
+                    await pubsub.ping()  # notice a dead connection within seconds
+                    continue
+                request_id, _, record = message["data"].partition("\n")
+                self._wake(request_id, record or None)
+        finally:
+            self._wake_all()
+            await pubsub.aclose()
+
+    def deliver(self, request_id: str, record: str) -> None:
+        """Wake this process's waiters at once, without the pub/sub round trip (called by
+        the dispatcher that finished the request; the published message then finds none)."""
+        self._wake(request_id, record)
+
+    def _wake(self, request_id: str, record: str | None) -> None:
+        for future in self._waiters.pop(request_id, ()):
+            if not future.done():
+                future.set_result(record)
+
+    def _wake_all(self) -> None:
+        for request_id in list(self._waiters):
+            self._wake(request_id, None)
+
+    @asynccontextmanager
+    async def watch(self, request_id: str) -> AsyncIterator[asyncio.Future[str | None]]:
+        """A future set when request_id ends. Register first, then check the state (or
+        submit), then await it: no ending is missed in between."""
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id].add(future)
+        try:
+            yield future
+        finally:
+            waiters = self._waiters.get(request_id)
+            if waiters is not None:
+                waiters.discard(future)
+                if not waiters:
+                    del self._waiters[request_id]

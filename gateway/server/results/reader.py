@@ -1,0 +1,109 @@
+"""Reading a request's outcome: its live state in Redis while it runs, its final record
+from Redis until the binder has stored it, the stored MongoDB record after that, and a
+clear "expired" after retention. Every read is scoped to the caller's tenant: another
+tenant's request reads as unknown (404), so existence does not leak."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+
+from gateway.common.result_store import ResultStore
+from gateway.protocol import ResultRecord, request_id_time, utc
+from gateway.protocol.http import LiveStatus, result_urls
+from gateway.server.api.errors import ApiError
+from gateway.server.queue.jobs import Job, JobStore
+from gateway.server.results.notifier import CompletionNotifier
+
+Outcome = ResultRecord | LiveStatus
+
+
+def live_status(job: Job) -> LiveStatus:
+    return LiveStatus(
+        request_id=job.request_id,
+        model=job.model,
+        status=job.state,
+        created_at=utc(job.created_at) or datetime.now(UTC),
+        started_at=utc(job.started_at),
+        attempts=job.attempts,
+        urls=result_urls(job.request_id),
+    )
+
+
+def is_final(outcome: Outcome) -> bool:
+    return outcome.status.terminal
+
+
+class ResultReader:
+    def __init__(self, jobs: JobStore, store: ResultStore, notifier: CompletionNotifier, retention_s: int) -> None:
+        self.jobs = jobs
+        self.store = store
+        self.notifier = notifier
+        self.retention_s = retention_s
+
+    def unknown(self, request_id: str) -> ApiError:
+        created = request_id_time(request_id)
+        if created is not None and created + self.retention_s < time.time():
+            days = self.retention_s / 86400
+            return ApiError(410, "result_expired", f"the result of {request_id} has expired (kept {days:g} days)")
+        return ApiError(404, "not_found", f"no request {request_id}")
+
+    async def job(self, request_id: str, tenant: str | None) -> Job | None:
+        """The live job, if it exists and belongs to the tenant (None = any tenant)."""
+        job = await self.jobs.load(request_id)
+        if job is None or (tenant is not None and job.tenant != tenant):
+            return None
+        return job
+
+    async def get(self, request_id: str, tenant: str | None = None) -> Outcome:
+        job = await self.job(request_id, tenant)
+        if job is not None:
+            if not job.state.terminal:
+                return live_status(job)
+            if job.stored:  # the stored record also carries the webhook outcome
+                stored = await self.store.get(request_id, tenant)
+                if stored is not None:
+                    return stored
+            data = await self.jobs.final_record(request_id)
+            if data:
+                return ResultRecord.model_validate_json(data)
+        stored = await self.store.get(request_id, tenant)
+        if stored is None:
+            raise self.unknown(request_id)
+        if stored.expires_at and stored.expires_at < datetime.now(UTC):
+            raise self.unknown(request_id)  # the TTL monitor has not swept it yet
+        return stored
+
+    async def wait(self, request_id: str, timeout: float, tenant: str | None = None) -> Outcome:
+        """The outcome as soon as the request ends, or its live state after timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            async with self.notifier.watch(request_id) as ended:
+                outcome = await self.get(request_id, tenant)
+                remaining = deadline - time.monotonic()
+                if is_final(outcome) or remaining <= 0:
+                    return outcome
+                record = await self.ended(ended, remaining)
+            if record is not None:
+                return record
+
+    @staticmethod
+    async def ended(watch: asyncio.Future[str | None], timeout: float) -> ResultRecord | None:
+        """The record a watch delivers within timeout, if it does."""
+        try:
+            record = await asyncio.wait_for(watch, timeout)
+        except TimeoutError:
+            return None
+        return ResultRecord.model_validate_json(record) if record else None
+
+    async def get_many(self, request_ids: list[str], tenant: str | None = None) -> dict[str, ResultRecord]:
+        found = await self.store.get_many(request_ids, tenant)
+        for request_id in request_ids:
+            if request_id not in found:
+                job = await self.job(request_id, tenant)
+                if job is not None and job.state.terminal:
+                    data = await self.jobs.final_record(request_id)
+                    if data:
+                        found[request_id] = ResultRecord.model_validate_json(data)
+        return found

