@@ -1,5 +1,7 @@
-# The gateway and binder image (compose/ runs `gateway serve` and `binder run` from it).
-# No [local] extra: Triton, Redis and MongoDB are their own containers in production.
+# The gateway and binder image (compose/ and kubernetes/ run `gateway serve` and
+# `binder run` from it). The server and binder extras, not [local]: Triton, Redis and
+# MongoDB are their own containers in production. model_repo/, compose/ and nginx/ ship
+# inside the package (gateway model-repo uses them).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -7,20 +9,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-WORKDIR /app
-
-# Dependencies first, so that a code change does not reinstall them.
+WORKDIR /src
 COPY pyproject.toml README.md ./
-RUN mkdir -p gateway binder && touch gateway/__init__.py binder/__init__.py \
-    && pip install . \
-    && pip uninstall -y triton-gateway
-
 COPY gateway ./gateway
 COPY binder ./binder
-RUN pip install --no-deps . \
+COPY model_repo ./model_repo
+COPY compose ./compose
+COPY nginx ./nginx
+RUN pip install '.[server,binder]' \
     && useradd --system --uid 10001 --home-dir /app app \
-    && mkdir -p /data/faiss && chown app /data/faiss
+    && mkdir -p /app /data/faiss && chown app /app /data/faiss \
+    && rm -rf /src
 
+WORKDIR /app
 USER app
 EXPOSE 8080 8090
 CMD ["gateway", "serve"]

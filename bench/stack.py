@@ -1,4 +1,5 @@
-"""Start (or reuse) a local stack for a benchmark, on free ports, with the demo models."""
+"""Start a local stack for a benchmark, on free ports, with the local profile's models
+(SmolLM2, the demo CLIP unless real weights are there, MiniLM, the synthetic engine)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ class Endpoints:
     redis: str
     mongo: str
     binder: str
+    api_key: str
     stack: LocalStack | None = None
 
 
 @contextlib.contextmanager
-def local_stack(data_dir: Path = ROOT / ".stack-bench", **service_env: str) -> Iterator[Endpoints]:
+def local_stack(
+    data_dir: Path = ROOT / ".stack-bench", gateway_workers: int = 1, **service_env: str
+) -> Iterator[Endpoints]:
     settings = StackSettings(
         data_dir=data_dir,
         triton_http_port=free_port(),
@@ -37,12 +41,7 @@ def local_stack(data_dir: Path = ROOT / ".stack-bench", **service_env: str) -> I
         gateway_port=free_port(),
         binder_port=free_port(),
         allow_downloads=False,
-        llm_model=str(data_dir / "models" / "demo-gpt2")
-        if (data_dir / "models" / "demo-gpt2").exists()
-        else "gpt2-medium",
-        clip_model=str(data_dir / "models" / "demo-clip")
-        if (data_dir / "models" / "demo-clip").exists()
-        else "openai/clip-vit-base-patch32",
+        gateway_workers=gateway_workers,
     )
     stack = LocalStack(
         settings,
@@ -58,6 +57,7 @@ def local_stack(data_dir: Path = ROOT / ".stack-bench", **service_env: str) -> I
             redis=f"redis://127.0.0.1:{s.redis_port}",
             mongo=stack.mongo_url,
             binder=f"http://127.0.0.1:{s.binder_port}",
+            api_key=stack.api_key or "",
             stack=stack,
         )
     finally:

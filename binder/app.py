@@ -1,5 +1,11 @@
 """The binder process: the archiver, the index follower and the webhook sender, plus a
-small internal HTTP API for the gateways (search, webhook replay, health)."""
+small internal HTTP API for the gateways (search, webhook replay, health).
+
+Start-up does no I/O: each loop prepares what it needs (MongoDB indexes, the consumer
+group, the index snapshot or rebuild) when it first runs, under the supervisor. So a
+binder started while MongoDB or Redis is down comes up and /healthz answers 503 with
+the failing loops, until they recover; settings that cannot work (a bad signing
+secret) stop it at start instead (binder/cli.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from pymongo import AsyncMongoClient
 
 from binder.archive import Archiver
 from binder.index.follower import IndexFollower
 from binder.index.vectors import VectorIndex
+from binder.metrics import BinderMetrics
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue, WebhookSender
 from gateway.common import redis as redis_clients
@@ -56,6 +64,7 @@ def binder(request: Request) -> Binder:
 def create_app(settings: BinderSettings | None = None) -> FastAPI:
     settings = settings or BinderSettings()
     configure_logging(settings.log_level, settings.log_format)
+    metrics = BinderMetrics(stored=lambda: app.state.binder.archiver.stored_total)  # read when scraped
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,16 +76,18 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             settings.mongo_url, tz_aware=True, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
         )
         store = ResultStore(mongo, settings.mongo_db, settings.result_retention_s)
-        await store.prepare()
-        queue = WebhookQueue(redis)
+        queue = WebhookQueue(redis, lease_s=settings.webhook_lease_s)
         archiver = Archiver(redis, store, queue, settings)
-        await archiver.prepare()
         index = VectorIndex(settings.faiss_dir)
         follower = IndexFollower(redis, index, store, snapshot_interval_s=settings.snapshot_interval_s)
-        await follower.prepare()
+
+        async def webhook_status(request_id: str, outcome: str, attempts: list[dict[str, Any]]) -> None:
+            metrics.webhook_outcomes.labels(outcome).inc()
+            await store.set_webhook_status(request_id, outcome, attempts)
+
         sender = WebhookSender(
             queue,
-            store.set_webhook_status,
+            webhook_status,
             secrets=settings.webhook_secrets,
             retry_delays=settings.retry_delays,
             jitter=settings.webhook_jitter,
@@ -99,7 +110,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await sender.close()
-            await asyncio.to_thread(index.snapshot)
+            await follower.close()
             await mongo.close()
             await redis.aclose()
 
@@ -107,23 +118,33 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz(request: Request) -> Any:
-        """ok while no worker loop keeps failing; 503 (with the failing ones) otherwise."""
+        """200 ok once the loops have prepared and while none keeps failing; otherwise
+        503, "starting" or "failing" (with the failing loops and their last errors)."""
         parts = binder(request)
         failing = {h.name: h.last_error for h in parts.health if h.failing()}
+        ready = parts.archiver.prepared and parts.follower.prepared
+        status = "failing" if failing else "ok" if ready else "starting"
         body = {
-            "status": "failing" if failing else "ok",
+            "status": status,
             "stored": parts.archiver.stored_total,
             "index": {space: parts.index.ntotal(space) for space in parts.index.spaces},
             "last_applied": parts.index.last_id,
             "failing": failing,
         }
-        return JSONResponse(body, status_code=503 if failing else 200)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics(request: Request) -> Response:
+        """Prometheus metrics: the results stream's lag, webhook outcomes, results stored."""
+        await metrics.refresh(binder(request).archiver.redis)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/search")
     async def search(query: SearchQuery, request: Request) -> dict[str, Any]:
+        """The k nearest results of the tenant (of every tenant when none is given)."""
         index = binder(request).index
         try:
-            hits = await asyncio.to_thread(index.search, query.space, query.vector, query.k)
+            hits = await asyncio.to_thread(index.search, query.space, query.vector, query.k, query.tenant)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
         return {"hits": [{"request_id": rid, "score": score} for rid, score in hits]}

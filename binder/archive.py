@@ -5,7 +5,11 @@ write. Stored results get their webhooks queued.
 
 Recovery needs no lock: entries left pending by a dead binder are reclaimed once idle;
 an entry delivered too often goes to the dead-letter stream with its error (and can be
-replayed from there); trimming drops only acknowledged entries."""
+replayed from there); trimming drops only acknowledged entries.
+
+MongoDB out of reach is an outage, not a bad entry: the run fails (the supervisor backs
+off and /healthz says so) instead of handing the batch to reclaim, which would count
+deliveries against the entries and dead-letter good results."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from redis.asyncio import Redis
 
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
+from gateway.common.logs import request_ids_bound
 from gateway.common.result_store import ResultStore
 from gateway.common.streams import Entry, StreamConsumer
 from gateway.protocol import ResultRecord
@@ -39,6 +44,10 @@ STREAM_KEEP_S = 3600
 TRIM_EVERY_S = 30.0
 
 
+class StoreUnavailable(Exception):
+    """MongoDB could not be reached; the batch stays pending for the next run."""
+
+
 class Archiver:
     def __init__(self, redis: Redis, store: ResultStore, webhooks: WebhookQueue, settings: BinderSettings) -> None:
         self.redis = redis
@@ -56,13 +65,19 @@ class Archiver:
         )
         self._mark_stored = redis.register_script(MARK_STORED)
         self.stored_total = 0
+        self.prepared = False
 
     async def prepare(self) -> None:
+        """MongoDB's indexes and the consumer group (in run(), so a binder started while
+        MongoDB or Redis is down comes up, says so on /healthz, and goes on once they return)."""
+        await self.store.prepare()
         await self.consumer.ensure_group(RESULTS_STREAM)
+        self.prepared = True
 
     async def run(self) -> None:
         """Store results for good (returns only by failing; the caller restarts it)."""
-        await self.consumer.ensure_group(RESULTS_STREAM)
+        if not self.prepared:
+            await self.prepare()
         await self._drain_own_pending()
         last_reclaim = last_trim = time.monotonic()
         batch = self.settings.batch_size
@@ -105,8 +120,15 @@ class Archiver:
         if not records:
             return 0
         outcome = await self.store.insert(list(records.values()))
+        if outcome.unavailable:
+            raise StoreUnavailable(next(iter(outcome.failed.values())))
         for request_id, error in outcome.failed.items():
-            log.warning("storing %s failed: %s", request_id, error)
+            with request_ids_bound(trace_id=records[request_id].trace_id, request_id=request_id):
+                log.warning("storing %s failed: %s", request_id, error)
+        if log.isEnabledFor(logging.DEBUG):  # a line per result: too many for INFO
+            for request_id in outcome.stored:
+                with request_ids_bound(trace_id=records[request_id].trace_id, request_id=request_id):
+                    log.debug("stored %s (%s)", request_id, records[request_id].status.value)
         if not outcome.stored:
             return 0
         await self._mark_stored(keys=[request_key(rid) for rid in outcome.stored])

@@ -1,16 +1,58 @@
-"""The binder's settings (environment variables, see gateway.common.settings)."""
+"""The binder's settings (environment variables, see gateway.common.settings).
+
+Settings that would only fail later (a signing secret that cannot sign, an allowlist
+entry that cannot be parsed, an attempt deadline longer than its lease) are refused
+here, so the binder stops at start with one line naming the problem (binder/cli.py)
+instead of failing every delivery."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
+from binder.webhooks.guard import parse_allow_entry
+from binder.webhooks.queue import LEASE_MARGIN_S
 from gateway.common.settings import CommaList, ServiceSettings
+
+SECRET_PREFIX = "whsec_"
+# Standard Webhooks: a secret is 24 to 64 random bytes, base64-encoded after the prefix.
+SECRET_BYTES = (24, 64)
+
+
+def secret_problem(secret: str) -> str | None:
+    """What is wrong with a signing secret (never quoting it), or None."""
+    if not secret.startswith(SECRET_PREFIX):
+        return f"does not start with {SECRET_PREFIX}"
+    body = secret[len(SECRET_PREFIX) :]
+    try:
+        key = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return f"is not base64 after {SECRET_PREFIX}"
+    low, high = SECRET_BYTES
+    if not low <= len(key) <= high:
+        return f"decodes to {len(key)} bytes, not {low} to {high}"
+    return None
 
 
 class BinderSettings(ServiceSettings):
+    """Webhook destinations: a webhook goes only to a public address (no private,
+    loopback, link-local, reserved, multicast, Teredo, 6to4 or local-use NAT64 address;
+    a well-known-prefix NAT64 address 64:ff9b::/96 counts as the IPv4 address it
+    embeds) on port 80 or 443, unless WEBHOOK_ALLOWLIST lets it through. Each
+    comma-separated allowlist entry is one of:
+
+    - `host`, `IP` or `CIDR` (`hooks.internal`, `10.1.2.3`, `10.1.0.0/16`, `fd00::/8`):
+      that host name (whatever it resolves to) or those addresses, on any port;
+    - the same with `:port` (`hooks.internal:8443`, `10.1.0.0/16:9000`, and for IPv6 in
+      brackets, `[fd00::1]:8443`, `[fd00::/8]:8443`): only on that port;
+    - `*:port` (`*:8443`): that port too, but still only on public addresses.
+    """
+
     binder_host: str = "127.0.0.1"
     binder_port: int = 8090
     # Consumer name in the binders group; must be unique per running binder.
@@ -30,10 +72,54 @@ class BinderSettings(ServiceSettings):
     # Seconds before each attempt (Svix-like); the first is the initial delivery.
     webhook_retry_schedule: CommaList = ["0", "5", "300", "1800", "7200", "18000", "36000", "36000"]
     webhook_jitter: float = Field(default=0.1, ge=0, le=1)
+    # The whole of one attempt (resolving, connecting, sending, the response headers),
+    # however the receiver trickles its answer; must end inside the lease.
     webhook_timeout_s: float = Field(default=15.0, gt=0)
+    # How long a claimed delivery is ours before another sender may take it.
+    webhook_lease_s: float = Field(default=60.0, gt=LEASE_MARGIN_S)
     webhook_concurrency: int = Field(default=64, ge=1)
-    # Hosts, IPs or CIDRs allowed even though they are not public addresses.
+    # See the class docstring for the entry syntax.
     webhook_allowlist: CommaList = []
+
+    @field_validator("webhook_secrets")
+    @classmethod
+    def _secrets_can_sign(cls, secrets: list[str]) -> list[str]:
+        for number, secret in enumerate(secrets, 1):
+            problem = secret_problem(secret)
+            if problem:
+                raise ValueError(
+                    f"secret {number} of {len(secrets)} {problem} "
+                    f"(expected {SECRET_PREFIX} and the base64 of {SECRET_BYTES[0]} to {SECRET_BYTES[1]} random bytes)"
+                )
+        return secrets
+
+    @field_validator("webhook_allowlist")
+    @classmethod
+    def _allowlist_parses(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            parse_allow_entry(entry)  # its ValueError names the entry and the problem
+        return entries
+
+    @field_validator("webhook_retry_schedule")
+    @classmethod
+    def _schedule_is_seconds(cls, delays: list[str]) -> list[str]:
+        for delay in delays:
+            try:
+                if float(delay) < 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"{delay!r} is not a number of seconds >= 0") from None
+        return delays
+
+    @model_validator(mode="after")
+    def _attempt_ends_inside_its_lease(self) -> Self:
+        if self.webhook_timeout_s > self.webhook_lease_s - LEASE_MARGIN_S:
+            raise ValueError(
+                f"WEBHOOK_TIMEOUT_S ({self.webhook_timeout_s:g}) must be at least {LEASE_MARGIN_S:g}s shorter "
+                f"than WEBHOOK_LEASE_S ({self.webhook_lease_s:g}), or a slow attempt outlives its lease "
+                "and the delivery is sent twice"
+            )
+        return self
 
     @property
     def retry_delays(self) -> list[float]:

@@ -1,15 +1,16 @@
 """Session fixtures: the real local stack (Triton from the pytriton wheel, Redis, the
 MongoDB-wire server, a gateway and a binder), started once on free ports through the
 same launcher `gateway up` uses, with tiny models built offline. Everything a test
-starts is stopped by pid."""
+starts is stopped by pid, with its whole process tree and Triton's shared memory; the
+session fails if any process or /dev/shm region it started is left at the end."""
 
 from __future__ import annotations
 
 import os
-import signal
+import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,16 @@ import redis.asyncio as aioredis
 import tritonclient.grpc.aio as triton_aio
 from pymongo import AsyncMongoClient
 
-from gateway.stack.process import ManagedProcess, free_port
+from gateway.stack.process import (
+    TAG_ENV,
+    TRITON_SHM_PREFIX,
+    ManagedProcess,
+    free_port,
+    owned_processes,
+    remove_shm,
+    shm_regions,
+    stop_processes,
+)
 from gateway.stack.services import binder_spec, gateway_spec
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack
@@ -28,7 +38,28 @@ from gateway.stack.weights import build_tiny_clip, build_tiny_gpt2
 
 WEBHOOK_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
+
 # Quick recovery and retries so failure tests finish in seconds.
+class _Auth(Mapping[str, str]):
+    """`Authorization: Bearer <the session stack's key>` (read when used: the key is made
+    when the stack starts, and pytest may import this module twice)."""
+
+    def _headers(self) -> dict[str, str]:
+        key = os.environ.get("GATEWAY_API_KEY", "")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def __getitem__(self, name: str) -> str:
+        return self._headers()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._headers())
+
+    def __len__(self) -> int:
+        return len(self._headers())
+
+
+AUTH = _Auth()
+
 SERVICE_ENV = {
     "CLAIM_IDLE_MS": "3000",
     "SWEEP_INTERVAL_S": "0.5",
@@ -42,6 +73,36 @@ SERVICE_ENV = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Every process this session starts (in-process stacks and `gateway up` runs alike)
+    # carries this tag in its owner token, and so do its Tritons' shared-memory regions.
+    # Nested in an outer run's tag, so that run still sees what this one leaves.
+    os.environ[TAG_ENV] = os.environ.get(TAG_ENV, "") + f"t{secrets.token_hex(4)}-"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a process or a Triton /dev/shm region it started is left."""
+    tag = os.environ[TAG_ENV]
+    deadline = time.monotonic() + 10  # a killed launcher's guard may still be cleaning up
+    while (owned_processes(tag) or shm_regions(TRITON_SHM_PREFIX + tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    processes = owned_processes(tag)
+    regions = [path.name for path in shm_regions(TRITON_SHM_PREFIX + tag)]
+    if processes or regions:
+        for proc in processes:
+            try:
+                proc.kill()  # ours by the tag: not left to the next run
+            except Exception:
+                pass
+        remove_shm(TRITON_SHM_PREFIX + tag)
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            pids = [proc.pid for proc in processes]
+            reporter.write_line(f"LEFT BEHIND by this test run: pids {pids}, /dev/shm {regions}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -53,6 +114,7 @@ class Stack:
     launcher: LocalStack
     data_dir: Path
     extra: list[ManagedProcess] = field(default_factory=list)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # extra Triton gRPC URL -> metrics port
 
     @property
     def s(self) -> StackSettings:
@@ -76,6 +138,10 @@ class Stack:
     @property
     def triton_http(self) -> str:
         return f"http://127.0.0.1:{self.s.triton_http_port}"
+
+    @property
+    def api_key(self) -> str:
+        return self.launcher.api_key or ""
 
     @property
     def gateway_url(self) -> str:
@@ -113,10 +179,20 @@ class Stack:
         return self.start(spec), f"http://127.0.0.1:{port}"
 
     def start_triton(self, name: str) -> tuple[ManagedProcess, str]:
-        spec = self.launcher.triton(name, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+        metrics_port = free_port()
+        spec = self.launcher.triton(name, http_port=free_port(), grpc_port=free_port(), metrics_port=metrics_port)
         process = self.start(spec)
         grpc_port = next(port for port, label in spec.ports if label == "Triton gRPC")
+        self.metrics_ports[f"127.0.0.1:{grpc_port}"] = metrics_port
         return process, f"127.0.0.1:{grpc_port}"
+
+    def replicas_env(self, *grpc_urls: str) -> dict[str, str]:
+        """TRITON_GRPC_URLS and the matching TRITON_METRICS_URLS for a gateway."""
+        ports = {self.triton_grpc: self.s.triton_metrics_port, **self.metrics_ports}
+        return {
+            "TRITON_GRPC_URLS": ",".join(grpc_urls),
+            "TRITON_METRICS_URLS": ",".join(f"http://127.0.0.1:{ports[url]}/metrics" for url in grpc_urls),
+        }
 
     def stop(self, process: ManagedProcess) -> None:
         process.stop()
@@ -125,15 +201,9 @@ class Stack:
 
 
 def kill_by_pid(process: ManagedProcess) -> None:
-    """SIGKILL, as a crash would; the process's own children too."""
-    children = process.descendants()
-    os.kill(process.pid, signal.SIGKILL)
-    process.popen.wait(10)
-    for child in children:
-        try:
-            child.kill()
-        except Exception:
-            pass
+    """SIGKILL, as a crash would; then what it left (its children, Triton's stubs and
+    shared memory) is cleaned up the way the launcher does after a crash."""
+    process.kill()
 
 
 @pytest.fixture(scope="session")
@@ -155,17 +225,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]
     launcher = LocalStack(settings, log=lambda line: print(line, file=sys.stderr), service_overrides=SERVICE_ENV)
     handle = Stack(launcher=launcher, data_dir=data_dir)
     launcher.start()
+    # The stack's API key (made by the launcher): every client of this run uses it.
+    os.environ["GATEWAY_API_KEY"] = launcher.api_key or ""
     try:
         yield handle
     finally:
-        for process in reversed(handle.extra):
-            process.stop()
+        stop_processes(handle.extra)  # all at once, whole trees and shared memory
         launcher.stop()
 
 
 @pytest_asyncio.fixture
 async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60, headers=AUTH) as client:
         yield client
 
 

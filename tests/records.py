@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from gateway.protocol import IndexRef, ResultRecord, State, new_request_id, utc
+from gateway.protocol import IndexRef, ResultRecord, State, WebhookSpec, new_request_id, utc
 from gateway.protocol.redis_keys import RESULTS_STREAM
 
 
@@ -15,17 +15,21 @@ def unit_vectors(count: int, dim: int, seed: int = 0) -> np.ndarray:
     return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
 
-def embedding_record(vector: list[float], model: str = "text_embed", text: str = "") -> ResultRecord:
+def embedding_record(
+    vector: list[float], model: str = "text_embed", text: str = "", *, tenant: str = "default", age_s: float = 0.0
+) -> ResultRecord:
+    """age_s: how long ago the request finished (its result expires that much sooner)."""
     space, output = {
         "text_embed": ("minilm", "embedding"),
         "clip_text": ("clip", "text_embeds"),
         "clip_image": ("clip", "image_embeds"),
     }[model]
-    now = time.time()
+    now = time.time() - age_s
     return ResultRecord(
         request_id=new_request_id(now),
         model=model,
         status=State.SUCCEEDED,
+        tenant=tenant,
         inputs={"text": text},
         outputs={output: [float(x) for x in vector]},
         created_at=utc(now - 0.05),
@@ -36,7 +40,7 @@ def embedding_record(vector: list[float], model: str = "text_embed", text: str =
     )
 
 
-def text_record(text: str = "generated text") -> ResultRecord:
+def text_record(text: str = "generated text", *, webhook: str | None = None) -> ResultRecord:
     now = time.time()
     return ResultRecord(
         request_id=new_request_id(now),
@@ -47,6 +51,7 @@ def text_record(text: str = "generated text") -> ResultRecord:
         created_at=utc(now - 0.05),
         finished_at=utc(now),
         attempts=1,
+        webhook=WebhookSpec(url=webhook) if webhook else None,
     )
 
 

@@ -12,17 +12,20 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
+from pymongo.errors import BulkWriteError
 
-from binder.archive import Archiver
+from binder.archive import Archiver, StoreUnavailable
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
-from gateway.common.result_store import RESULTS_COLLECTION, ResultStore
+from gateway.common.result_store import DUPLICATE_KEY, RESULTS_COLLECTION, ResultStore
 from gateway.common.streams import Entry
 from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_DEAD_LETTERS, RESULTS_STREAM
-from tests.conftest import kill_by_pid
-from tests.records import mixed_records, publish
+from gateway.stack.process import free_port
+from gateway.stack.services import binder_spec
+from tests.conftest import AUTH, kill_by_pid
+from tests.records import mixed_records, publish, text_record
 
-_databases = count(10)
+_databases = count(20)
 
 
 @pytest.fixture
@@ -52,7 +55,7 @@ async def _until(check, timeout: float = 60, interval: float = 0.2) -> None:
 
 
 async def _indexed(binder_url: str, space: str = "minilm") -> int:
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(headers=AUTH) as client:
         return (await client.get(f"{binder_url}/healthz")).json()["index"].get(space, 0)
 
 
@@ -214,3 +217,96 @@ async def test_a_poison_entry_is_dead_lettered_after_n_attempts_while_the_rest_c
 
 async def _dead_letters(redis, expected: int) -> bool:
     return await redis.xlen(RESULTS_DEAD_LETTERS) == expected
+
+
+async def test_healthz_answers_503_naming_the_failing_loop_while_mongodb_is_unreachable(stack, isolated) -> None:
+    port, nobody = free_port(), free_port()  # nothing listens on `nobody`
+    env = {
+        **stack.launcher.service_env,
+        **isolated,
+        "MONGO_URL": f"mongodb://127.0.0.1:{nobody}",
+        "MONGO_TIMEOUT_S": "0.3",
+    }
+    spec = binder_spec(data_dir=stack.data_dir, host="127.0.0.1", port=port, env=env, name="binder-no-mongo")
+    url = f"http://127.0.0.1:{port}"
+    spec.ready = lambda: httpx.get(f"{url}/healthz", timeout=2).status_code in (200, 503)  # up, however healthy
+    process = stack.start(spec)
+    try:
+        async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=5) as client:
+            deadline = time.monotonic() + 15
+            while "archiver" not in (response := await client.get("/healthz")).json()["failing"]:
+                assert time.monotonic() < deadline, response.text
+                await asyncio.sleep(0.1)
+        assert response.status_code == 503
+        body = response.json()
+        assert body["status"] == "failing"
+        assert body["failing"]["archiver"].startswith("ServerSelectionTimeoutError")
+    finally:
+        stack.stop(process)
+
+
+async def test_dead_lettered_results_are_stored_once_replayed(stack, mongo, isolated) -> None:
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    # A binder whose MongoDB is out of reach: its entries are dead-lettered on redelivery.
+    unreachable: AsyncMongoClient = AsyncMongoClient(f"mongodb://127.0.0.1:{free_port()}", serverSelectionTimeoutMS=200)
+    settings = _settings(isolated, stack, "doomed", claim_idle_ms=100, max_deliveries=1)
+    doomed = Archiver(redis, ResultStore(unreachable, isolated["MONGO_DB"], 3600), WebhookQueue(redis), settings)
+    await doomed.consumer.ensure_group(RESULTS_STREAM)
+    records = mixed_records(12, seed=5)
+    await publish(redis, records)
+    with pytest.raises(StoreUnavailable):
+        await doomed.process(await doomed.consumer.read({RESULTS_STREAM: 100}, block_ms=None))
+    await _until(lambda: _dead_lettered_after_reclaim(doomed, len(records)), timeout=10, interval=0.15)
+    await unreachable.close()
+
+    process, url = stack.start_binder("binder-replay", **isolated)
+    try:
+        async with httpx.AsyncClient(headers=AUTH, base_url=url) as client:
+            response = await client.post("/dead-letters/replay")
+        assert response.status_code == 200 and response.json() == {"requeued": len(records)}
+        await _until(lambda: _is(mongo, isolated["MONGO_DB"], len(records)), timeout=20)
+        await _until(lambda: _indexed_is(url, sum(1 for r in records if r.embedding)), timeout=20)
+        assert await redis.xlen(RESULTS_DEAD_LETTERS) == 0
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+async def _dead_lettered_after_reclaim(archiver: Archiver, expected: int) -> bool:
+    await archiver.consumer.reclaim(RESULTS_STREAM, 100)
+    return await archiver.redis.xlen(RESULTS_DEAD_LETTERS) == expected
+
+
+class _UnsatisfiedWriteConcern:
+    """A collection whose insert_many answers as a replica set does when the writes were
+    applied on the primary but not replicated in time (nx-27017, the only MongoDB-wire
+    server here, accepts any write concern and cannot produce this)."""
+
+    def __init__(self, duplicate_index: int | None = None) -> None:
+        self.duplicate_index = duplicate_index
+
+    async def insert_many(self, documents, ordered: bool) -> None:
+        write_errors = []
+        if self.duplicate_index is not None:
+            write_errors.append(
+                {"index": self.duplicate_index, "code": DUPLICATE_KEY, "errmsg": "E11000 duplicate key"}
+            )
+        raise BulkWriteError(
+            {
+                "writeErrors": write_errors,
+                "writeConcernErrors": [{"code": 64, "errmsg": "waiting for replication timed out"}],
+                "nInserted": len(documents) - len(write_errors),
+            }
+        )
+
+
+@pytest.mark.parametrize("duplicate_index", [None, 0])
+async def test_a_write_concern_error_counts_no_record_as_stored(mongo, duplicate_index: int | None) -> None:
+    store = ResultStore(mongo, "unused", retention_s=3600)
+    store.collection = _UnsatisfiedWriteConcern(duplicate_index)
+    records = [text_record(f"text {i}") for i in range(3)]
+    outcome = await store.insert(records)
+    assert outcome.stored == []
+    assert set(outcome.failed) == {r.request_id for r in records}
+    assert all("waiting for replication timed out" in error for error in outcome.failed.values())
+    assert not outcome.unavailable

@@ -16,6 +16,7 @@ import pytest
 from gateway.client import AsyncGatewayClient, GatewayClient, GatewayError
 from gateway.protocol import ResultRecord, State, new_request_id
 from gateway.protocol.http import Accepted
+from tests.conftest import AUTH
 
 SAMPLING = {"seed": 1234, "top_k": 40, "temperature": 1.0}
 
@@ -177,7 +178,7 @@ class _DroppingTransport(httpx.HTTPTransport):
 
 def test_events_resume_with_last_event_id_after_a_dropped_connection(stack) -> None:
     transport = _DroppingTransport()
-    http = httpx.Client(base_url=stack.gateway_url, transport=transport, timeout=60)
+    http = httpx.Client(headers=AUTH, base_url=stack.gateway_url, transport=transport, timeout=60)
     with GatewayClient(stack.gateway_url, http=http) as client:
         accepted = client.submit("llm", llm("Once upon", 40), stream=True, parameters=SAMPLING)
         events = list(client.events(accepted.request_id))

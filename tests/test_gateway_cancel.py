@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from tests.conftest import AUTH
 from tests.gateway_calls import llm_body, read_events, submit, wait_result
 
 
@@ -61,7 +62,7 @@ def idle_gateway(stack):
 
 
 async def test_cancel_of_a_queued_request_means_it_never_runs(idle_gateway) -> None:
-    async with httpx.AsyncClient(base_url=idle_gateway, timeout=30) as client:
+    async with httpx.AsyncClient(headers=AUTH, base_url=idle_gateway, timeout=30) as client:
         request_id = await submit(client, llm_body("never", 4))
         response = await client.post(f"/results/{request_id}/cancel")
         assert response.status_code == 200
@@ -75,7 +76,7 @@ async def test_cancel_of_a_queued_request_means_it_never_runs(idle_gateway) -> N
 
 
 async def test_a_request_nobody_can_run_expires_at_its_deadline(idle_gateway) -> None:
-    async with httpx.AsyncClient(base_url=idle_gateway, timeout=30) as client:
+    async with httpx.AsyncClient(headers=AUTH, base_url=idle_gateway, timeout=30) as client:
         request_id = await submit(client, {**llm_body("too late", 4), "timeout_s": 1})
         record = await wait_result(client, request_id, timeout=10)
         assert record["status"] == "expired"

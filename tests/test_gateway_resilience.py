@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.stack.process import ManagedProcess
-from tests.conftest import kill_by_pid
+from tests.conftest import AUTH, kill_by_pid
 from tests.gateway_calls import llm_body, submit, wait_all
 
 
@@ -25,7 +25,7 @@ async def test_a_full_backlog_answers_429_with_retry_after(stack) -> None:
         RETRY_AFTER_S="2",
     )
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=30) as client:
             accepted = [await submit(client, llm_body(f"fill {i}", 4)) for i in range(3)]
             response = await client.post("/infer", json=llm_body("one too many", 4))
             assert response.status_code == 429
@@ -61,14 +61,14 @@ def two_replicas(stack):
     gateway, url = stack.start_gateway(
         "gateway-two",
         REDIS_URL=stack.redis_db_url(7),
-        TRITON_GRPC_URLS=f"{stack.triton_grpc},{second_url}",
+        **stack.replicas_env(stack.triton_grpc, second_url),
     )
     yield {"url": url, "first": stack.triton_grpc, "second": second_url, "second_process": second}
     stack.stop(gateway)
 
 
 async def test_traffic_reaches_both_replicas(two_replicas) -> None:
-    async with httpx.AsyncClient(base_url=two_replicas["url"], timeout=60) as client:
+    async with httpx.AsyncClient(headers=AUTH, base_url=two_replicas["url"], timeout=60) as client:
         await _until(lambda: _has_both(client, two_replicas))
         ids = await asyncio.gather(*(submit(client, llm_body(f"spread {i}", 30)) for i in range(20)))
         records = await wait_all(client, ids)
@@ -82,7 +82,7 @@ async def _has_both(client, replicas) -> bool:
 
 async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(stack, two_replicas) -> None:
     second: ManagedProcess = two_replicas["second_process"]
-    async with httpx.AsyncClient(base_url=two_replicas["url"], timeout=60) as client:
+    async with httpx.AsyncClient(headers=AUTH, base_url=two_replicas["url"], timeout=60) as client:
         await _until(lambda: _has_both(client, two_replicas))
         ids = await asyncio.gather(*(submit(client, llm_body(f"busy {i}", 200)) for i in range(16)))
         await asyncio.sleep(0.3)  # some are running on each replica
@@ -111,7 +111,7 @@ async def _only(client, replica: str) -> bool:
 async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) -> None:
     redis_url = stack.redis_db_url(8)
     first, first_url = stack.start_gateway("gateway-doomed", REDIS_URL=redis_url)
-    async with httpx.AsyncClient(base_url=first_url, timeout=30) as client:
+    async with httpx.AsyncClient(headers=AUTH, base_url=first_url, timeout=30) as client:
         ids = [await submit(client, llm_body(f"orphan {i}", 120)) for i in range(10)]
         await asyncio.sleep(0.3)
         states = Counter([(await client.get(f"/results/{rid}")).json()["status"] for rid in ids])
@@ -121,7 +121,7 @@ async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) ->
 
     second, second_url = stack.start_gateway("gateway-heir", REDIS_URL=redis_url)
     try:
-        async with httpx.AsyncClient(base_url=second_url, timeout=30) as client:
+        async with httpx.AsyncClient(headers=AUTH, base_url=second_url, timeout=30) as client:
             records = await wait_all(client, ids, timeout=120)
         assert {r["status"] for r in records} == {"succeeded"}
         assert any(r["attempts"] >= 2 for r in records), "no request was reclaimed from the dead gateway"

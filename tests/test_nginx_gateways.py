@@ -14,6 +14,7 @@ import pytest
 
 from gateway.deploy.nginx import ensure_nginx, write_local_conf
 from gateway.stack.process import free_port
+from tests.conftest import AUTH
 from tests.gateway_calls import llm_body, submit, wait_result
 
 
@@ -57,7 +58,7 @@ def nginx_in_front(stack, tmp_path_factory):
 
 
 async def test_sse_events_arrive_through_nginx_one_by_one(nginx_in_front) -> None:
-    async with httpx.AsyncClient(base_url=nginx_in_front["url"], timeout=60) as client:
+    async with httpx.AsyncClient(headers=AUTH, base_url=nginx_in_front["url"], timeout=60) as client:
         request_id = await submit(client, llm_body("Through nginx", 200, stream=True))
         arrivals: list[tuple[float, str]] = []
         async with client.stream("GET", f"/results/{request_id}/events") as response:
@@ -80,9 +81,9 @@ def _accepted(metrics: str) -> float:
 
 
 async def test_requests_spread_over_both_gateways(nginx_in_front) -> None:
-    async with httpx.AsyncClient(timeout=30) as direct:
+    async with httpx.AsyncClient(headers=AUTH, timeout=30) as direct:
         before = [_accepted((await direct.get(f"{url}/metrics")).text) for url in nginx_in_front["gateways"]]
-        async with httpx.AsyncClient(base_url=nginx_in_front["url"], timeout=60) as client:
+        async with httpx.AsyncClient(headers=AUTH, base_url=nginx_in_front["url"], timeout=60) as client:
             ids = await asyncio.gather(
                 *(submit(client, {"model": "clip_text", "inputs": {"text": f"n{i}"}}) for i in range(30))
             )
@@ -94,7 +95,7 @@ async def test_requests_spread_over_both_gateways(nginx_in_front) -> None:
 
 
 async def test_nginx_refuses_an_oversized_body_with_the_api_error_format(nginx_in_front) -> None:
-    async with httpx.AsyncClient(base_url=nginx_in_front["url"], timeout=30) as client:
+    async with httpx.AsyncClient(headers=AUTH, base_url=nginx_in_front["url"], timeout=30) as client:
         response = await client.post("/infer", content=b"x" * (9 * 1024 * 1024))
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "payload_too_large"

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tritonclient.grpc import InferRequestedOutput, model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from gateway.server.models.base import tensor
+from gateway.server.dispatch.runner import stop_inputs
 from tests.triton_requests import bytes_tensor, llm_request, once, png_bytes, stream_texts
 
 MODEL_REPO = Path(__file__).resolve().parents[1] / "model_repo"
@@ -53,11 +53,19 @@ async def test_llm_streams_several_partial_responses_then_ends(triton) -> None:
 
 async def test_llm_output_is_greedy_decoding_cut_at_max_tokens(triton, reference) -> None:
     tokenizer, generate = reference
-    expected = tokenizer.decode(generate(PROMPT, 12), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    streamed = "".join(await stream_texts(triton, llm_request(PROMPT, 12, stream=True)))
+    tokens = generate(PROMPT, 12)
+    expected = tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     whole = await stream_texts(triton, llm_request(PROMPT, 12, stream=False))
-    assert streamed == expected
     assert whole == [expected]
+
+
+async def test_llm_streams_one_response_per_token_as_tensorrt_llm_does(triton, reference) -> None:
+    tokenizer, generate = reference
+    tokens = generate(PROMPT, 12)
+    streamed = await stream_texts(triton, llm_request(PROMPT, 12, stream=True))
+    # Each response is detokenized alone (a split character would be U+FFFD here; the
+    # gateway's engine path detokenizes incrementally instead).
+    assert streamed == [tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in tokens]
 
 
 async def test_llm_stops_right_after_a_stop_word(triton, reference) -> None:
@@ -90,14 +98,15 @@ async def test_llm_cancel_mid_stream_stops_generation_within_a_step(triton) -> N
         if received == 3:
             break
     responses.cancel()
-    # Triton 2.51 does not pass an ensemble's cancellation to a running step: stop it by id.
+    # Triton 2.51 does not pass an ensemble's cancellation to a running step: stop the
+    # engine's request by id (TensorRT-LLM's `stop` input).
     stop = {
-        "model_name": "llm_generator",
-        "inputs": [tensor("stop", np.array([[True]]), "BOOL")],
+        "model_name": "llm_engine",
+        "inputs": stop_inputs(),
         "request_id": request_id,
     }
-    async for _ in triton.stream_infer(once(stop)):
-        pass
+    async for _, error in triton.stream_infer(once(stop)):
+        assert error is None
     await asyncio.sleep(2.0)  # an unstopped run of 200 tokens would finish in this time
     generated = await _postprocessed(triton) - before
     assert received <= generated < received + 20, f"{generated} chunks were generated after a cancel at {received}"

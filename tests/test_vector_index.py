@@ -1,20 +1,33 @@
-"""FAISS index snapshots: atomic, and a replay from the last applied entry reaches the
-same index after a crash mid-snapshot."""
+"""The FAISS index: snapshots (atomic; a replay from the last applied entry reaches the
+same index after a crash mid-snapshot; written without holding up indexing, searches
+or the binder's event loop), tenants (a search sees only its tenant's vectors) and
+expiry (the index forgets what MongoDB's TTL forgets)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
+import faiss
+import httpx
+import pytest
 import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
 
 from binder.index.follower import IndexFollower
-from binder.index.vectors import VectorIndex
-from gateway.common.result_store import ResultStore
+from binder.index.vectors import NEVER, Item, VectorIndex
+from gateway.common.result_store import RESULTS_COLLECTION, ResultStore
+from gateway.protocol.records import DEFAULT_TENANT
+from tests.conftest import AUTH
 from tests.records import embedding_record, publish, unit_vectors
 
 CHILD = textwrap.dedent(
@@ -89,20 +102,175 @@ async def test_kill_during_a_snapshot_keeps_the_previous_one_and_replay_reaches_
     await redis.aclose()
 
 
+def _items(vectors, prefix: str = "id", tenant: str = DEFAULT_TENANT, expires_at: float = NEVER) -> list[Item]:
+    return [Item("space", tenant, f"{prefix}-{i}", v.tolist(), expires_at) for i, v in enumerate(vectors)]
+
+
 def test_adding_a_request_id_again_adds_no_vector(tmp_path) -> None:
     index = VectorIndex(tmp_path, use_gpu=False)
     vector = unit_vectors(1, 8)[0].tolist()
-    assert index.add([("space", "id-1", vector)]) == 1
-    assert index.add([("space", "id-1", vector), ("space", "id-1", vector)]) == 0
+    item = Item("space", DEFAULT_TENANT, "id-1", vector)
+    assert index.add([item]) == 1
+    assert index.add([item, item]) == 0
     assert index.ntotal("space") == 1
 
 
-def test_a_snapshot_round_trips(tmp_path) -> None:
+def test_a_snapshot_round_trips_with_tenants_and_expiry(tmp_path) -> None:
     index = VectorIndex(tmp_path, use_gpu=False)
-    vectors = unit_vectors(20, 16)
-    index.add([("space", f"id-{i}", v.tolist()) for i, v in enumerate(vectors)], last_id="42-0")
+    vectors = unit_vectors(30, 16)
+    index.add(_items(vectors[:20], "a", "tenant-a", expires_at=2000.0), last_id="42-0", now=1000.0)
+    index.add(_items(vectors[20:], "b", "tenant-b"), now=1000.0)
     index.snapshot()
     loaded = VectorIndex(tmp_path, use_gpu=False)
     assert loaded.load()
-    assert loaded.last_id == "42-0" and loaded.ntotal("space") == 20
-    assert loaded.search("space", vectors[7].tolist(), 1)[0][0] == "id-7"
+    assert loaded.last_id == "42-0"
+    assert (loaded.ntotal("space", "tenant-a"), loaded.ntotal("space", "tenant-b")) == (20, 10)
+    assert loaded.search("space", vectors[7].tolist(), 1, "tenant-a", now=1500.0)[0][0] == "a-7"
+    assert loaded.search("space", vectors[7].tolist(), 1, "tenant-b", now=1500.0)[0][0].startswith("b-")
+    assert loaded.search("space", vectors[7].tolist(), 1, "tenant-a", now=2000.0) == []  # expiry kept
+    # ids go on from the snapshot's: a new vector does not take an existing one's id
+    assert loaded.add([Item("space", "tenant-b", "b-new", vectors[3].tolist())]) == 1
+    assert loaded.search("space", vectors[3].tolist(), 1, "tenant-b")[0][0] == "b-new"
+
+
+def test_a_snapshot_without_tenants_is_not_loaded_so_the_index_is_rebuilt(tmp_path) -> None:
+    (tmp_path / "snapshot-1-0").mkdir()
+    (tmp_path / "snapshot-1-0" / "meta.json").write_text(json.dumps({"last_id": "1-0", "spaces": {}}))
+    (tmp_path / "CURRENT").write_text("snapshot-1-0")
+    assert not VectorIndex(tmp_path, use_gpu=False).load()
+
+
+def test_a_tenants_search_returns_its_k_nearest_though_another_tenant_holds_closer_ones(tmp_path) -> None:
+    index = VectorIndex(tmp_path, use_gpu=False)
+    query = unit_vectors(1, 16, seed=1)[0]
+    near = query + 0.05 * unit_vectors(50, 16, seed=2)  # tenant a: the 50 nearest of all
+    index.add(_items(near, "a", "tenant-a") + _items(unit_vectors(7, 16, seed=3), "b", "tenant-b"))
+    hits = index.search("space", query.tolist(), 5, "tenant-b")
+    assert len(hits) == 5 and all(rid.startswith("b-") for rid, _ in hits)
+    assert all(rid.startswith("a-") for rid, _ in index.search("space", query.tolist(), 5, "tenant-a"))
+    assert index.search("space", query.tolist(), 5, "tenant-c") == []
+    assert len(index.search("space", query.tolist(), 100)) == 57  # no tenant: every tenant's
+
+
+def test_an_expired_vector_is_never_returned_and_a_sweep_removes_it_from_faiss(tmp_path) -> None:
+    index = VectorIndex(tmp_path, use_gpu=False)
+    vectors = unit_vectors(10, 16)
+    index.add(_items(vectors[:4], "old", expires_at=1100.0) + _items(vectors[4:], "new", expires_at=1200.0), now=1000)
+    assert len(index.search("space", vectors[0].tolist(), 10, now=1099.0)) == 10
+    hits = index.search("space", vectors[0].tolist(), 6, now=1100.0)
+    assert len(hits) == 6 and all(rid.startswith("new-") for rid, _ in hits)  # still k: the expired are skipped
+    assert index.forget_expired(now=1100.0) == 4
+    assert index.shards[("space", DEFAULT_TENANT)].index.ntotal == 6
+    assert index.add(_items(vectors[:1], "late", expires_at=1150.0), now=1160.0) == 0  # expired on arrival
+
+
+def test_indexing_and_search_go_on_while_a_snapshot_file_is_written(tmp_path, monkeypatch) -> None:
+    index = VectorIndex(tmp_path, use_gpu=False)
+    vectors = unit_vectors(50, 16)
+    index.add(_items(vectors[:40]))
+    writing, release = threading.Event(), threading.Event()
+    write_index = faiss.write_index
+
+    def slow_disk(faiss_index, path: str) -> None:
+        writing.set()
+        release.wait(30)
+        write_index(faiss_index, path)
+
+    monkeypatch.setattr(faiss, "write_index", slow_disk)
+    snapshot = threading.Thread(target=index.snapshot)
+    snapshot.start()
+    pool = ThreadPoolExecutor(1)  # the follower and searches run on worker threads
+    try:
+        assert writing.wait(10)
+        added = pool.submit(index.add, _items(vectors[40:], "late")).result(timeout=2)
+        hits = pool.submit(index.search, "space", vectors[45].tolist(), 1).result(timeout=2)
+    finally:
+        release.set()
+        snapshot.join(30)
+        pool.shutdown()
+    assert added == 10 and hits[0][0] == "late-5"
+    loaded = VectorIndex(tmp_path, use_gpu=False)
+    assert loaded.load() and loaded.ntotal("space") == 40  # what the index held when the snapshot began
+
+
+# -- binders started by the tests below, on Redis and MongoDB databases of their own
+
+
+@pytest.fixture
+def isolated(stack) -> dict[str, str]:
+    number = next(_databases)
+    return {"REDIS_URL": stack.redis_db_url(number), "MONGO_DB": f"index_test_{number}_{time.time_ns()}"}
+
+
+_databases = itertools.count(31)
+
+
+async def _search(client: httpx.AsyncClient, vector: list[float], k: int, tenant: str | None = None) -> list[str]:
+    response = await client.post("/search", json={"space": "minilm", "vector": vector, "k": k, "tenant": tenant})
+    assert response.status_code == 200, response.text
+    return [hit["request_id"] for hit in response.json()["hits"]]
+
+
+async def test_an_expired_results_vector_is_forgotten_so_no_hit_lacks_its_record(stack, mongo, isolated) -> None:
+    retention_s = 8.0
+    process, url = stack.start_binder("binder-expiry", RESULT_RETENTION_S=str(int(retention_s)), **isolated)
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    collection = mongo[isolated["MONGO_DB"]][RESULTS_COLLECTION]
+    vectors = unit_vectors(6, 384, seed=11)
+    # Three finished long enough ago to expire 4 s from now; three expire 8 s from now.
+    expiring = [embedding_record(v.tolist(), age_s=retention_s - 4) for v in vectors[:3]]
+    lasting = [embedding_record(v.tolist()) for v in vectors[3:]]
+    try:
+        await publish(redis, expiring + lasting)
+        async with httpx.AsyncClient(headers=AUTH, base_url=url) as client:
+            query = vectors[0].tolist()
+            deadline = time.monotonic() + 10
+            while len(await _search(client, query, 10)) < 6 or await collection.count_documents({}) < 6:
+                assert time.monotonic() < deadline, "not all indexed and stored"
+                await asyncio.sleep(0.05)
+            deadline = time.monotonic() + retention_s
+            while True:
+                # MongoDB's TTL monitor at its most eager (nx-27017 has none): gone at expires_at.
+                await collection.delete_many({"expires_at": {"$lte": datetime.now(UTC)}})
+                hits = await _search(client, query, 10)
+                stored = await collection.count_documents({"_id": {"$in": hits}})
+                assert stored == len(hits), "a hit whose record MongoDB no longer has (record: null)"
+                if not {r.request_id for r in expiring} & set(hits):
+                    break
+                assert time.monotonic() < deadline, "expired vectors still returned"
+                await asyncio.sleep(0.05)
+        assert set(hits) == {r.request_id for r in lasting}
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+async def test_healthz_keeps_answering_while_a_large_snapshot_is_written(stack, isolated) -> None:
+    name = "binder-big-snapshot"
+    directory = stack.data_dir / "faiss" / name  # where binder_spec points FAISS_DIR
+    count, dim = 120_000, 384
+    prepared = VectorIndex(directory, use_gpu=False)
+    vectors = unit_vectors(count, dim, seed=12)
+    prepared.add([Item("minilm", DEFAULT_TENANT, f"bulk-{i}", vectors[i]) for i in range(count)])
+    first = prepared.snapshot().name
+    del prepared, vectors
+    process, url = stack.start_binder(name, **isolated)
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    latencies, saw_writing = [], False
+    try:
+        await publish(redis, [embedding_record(unit_vectors(1, dim, seed=13)[0].tolist())])  # makes one due
+        async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while (directory / "CURRENT").read_text() == first:
+                assert time.monotonic() < deadline, "no snapshot was written"
+                saw_writing |= any(p.name.endswith(".partial") for p in directory.iterdir())
+                began = time.monotonic()
+                response = await client.get("/healthz")
+                latencies.append(time.monotonic() - began)
+                assert response.status_code == 200
+                await asyncio.sleep(0.01)
+        assert saw_writing, "the snapshot was written between two polls; nothing was measured"
+        assert max(latencies) < 0.5, f"/healthz took {max(latencies):.2f}s during the snapshot"
+    finally:
+        stack.stop(process)
+        await redis.aclose()

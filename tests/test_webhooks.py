@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -12,13 +14,18 @@ from ipaddress import ip_address
 
 import pytest
 import pytest_asyncio
+import redis.asyncio as aioredis
 import uvicorn
+from pydantic import ValidationError
 from standardwebhooks import Webhook
 
+from binder.settings import BinderSettings
 from binder.webhooks import AddressGuard, Refused, sign
-from gateway.stack.process import free_port
+from gateway.common.result_store import RESULTS_COLLECTION
+from gateway.stack.process import LaunchError, free_port
 from tests.conftest import WEBHOOK_SECRET
 from tests.gateway_calls import submit, wait_result
+from tests.records import publish, text_record
 
 
 @dataclass
@@ -196,10 +203,179 @@ def test_each_secret_during_a_rotation_verifies_the_signature() -> None:
 
 async def test_the_address_guard_allows_public_and_allowlisted_addresses_only() -> None:
     guard = AddressGuard(["10.1.0.0/16", "hooks.internal"])
-    assert guard._allowed("example.com", ip_address("93.184.216.34"))
-    assert guard._allowed("x", ip_address("10.1.2.3"))
-    assert guard._allowed("hooks.internal", ip_address("192.168.1.5"))
-    for private in ("127.0.0.1", "10.2.0.1", "192.168.1.5", "169.254.169.254", "::1", "::ffff:127.0.0.1"):
-        assert not guard._allowed("x", ip_address(private)), private
+    assert guard.refusal("example.com", ip_address("93.184.216.34"), 443) is None
+    assert guard.refusal("x", ip_address("10.1.2.3"), 8080) is None
+    assert guard.refusal("hooks.internal", ip_address("192.168.1.5"), 9000) is None
+    for private in ("127.0.0.1", "10.2.0.1", "192.168.1.5", "169.254.169.254", "::1", "::ffff:127.0.0.1", "fec0::1"):
+        assert guard.refusal("x", ip_address(private), 443), private
     with pytest.raises(Refused):
         await AddressGuard([]).resolve("http://localhost:9/hook")
+
+
+def test_nat64_counts_as_its_embedded_ipv4_and_6to4_teredo_and_multicast_are_refused() -> None:
+    guard = AddressGuard([])
+    assert guard.refusal("x", ip_address("64:ff9b::5db8:d822"), 443) is None  # NAT64 of 93.184.216.34
+    refused = {
+        "64:ff9b::7f00:1": "NAT64 address of 127.0.0.1",
+        "64:ff9b:1::5db8:d822": "local-use NAT64",
+        "2002:5db8:d822::1": "6to4",
+        "2001:0:4136:e378:8000:63bf:3fff:fdd2": "Teredo",
+        "ff0e::1": "multicast",
+        "224.0.0.1": "multicast",
+        "::7f00:1": "not a public address",
+    }
+    for address, why in refused.items():
+        assert why in (guard.refusal("x", ip_address(address), 443) or ""), address
+
+
+def test_allowlist_entries_with_a_port_allow_only_that_port() -> None:
+    guard = AddressGuard(["127.0.0.1:8080", "[fd00::/8]:8443", "hooks.internal:9000", "*:8443"])
+    assert guard.refusal("127.0.0.1", ip_address("127.0.0.1"), 8080) is None
+    assert guard.refusal("127.0.0.1", ip_address("127.0.0.1"), 8081)
+    assert guard.refusal("x", ip_address("fd00::1"), 8443) is None
+    assert guard.refusal("hooks.internal", ip_address("10.0.0.1"), 9000) is None
+    assert guard.refusal("hooks.internal", ip_address("10.0.0.1"), 443)
+    assert guard.refusal("example.com", ip_address("93.184.216.34"), 8443) is None  # `*:8443`: public only
+    assert "port 8080 is not allowed" in (guard.refusal("example.com", ip_address("93.184.216.34"), 8080) or "")
+    assert "not a public address" in (guard.refusal("x", ip_address("10.0.0.1"), 8443) or "")
+
+
+def test_an_allowlist_entry_that_does_not_parse_is_a_settings_error() -> None:
+    with pytest.raises(ValidationError, match="is not a port"):
+        BinderSettings(webhook_allowlist=["10.0.0.1:http"])
+
+
+async def test_a_host_with_a_64_character_label_is_recorded_as_a_refused_attempt(http) -> None:
+    request_id = await _with_webhook(http, f"http://{'a' * 64}.example.com/hook")
+    record = await _webhook_status(http, request_id, {"refused"})
+    [attempt] = record["webhook_attempts"]
+    assert "invalid host name" in attempt["error"]
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://[64:ff9b::7f00:1]/hook", "NAT64 address of 127.0.0.1"),
+        ("http://[64:ff9b:1::7f00:1]/hook", "local-use NAT64"),
+        ("http://[2002:7f00:1::1]/hook", "6to4"),
+        ("http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/hook", "Teredo"),
+        ("http://[ff0e::1]/hook", "multicast"),
+        ("http://224.0.0.251/hook", "multicast"),
+        ("http://93.184.216.34:8080/hook", "port 8080 is not allowed"),
+    ],
+)
+async def test_a_tunnelled_multicast_or_non_default_port_destination_is_refused_and_recorded(
+    http, url: str, why: str
+) -> None:
+    request_id = await _with_webhook(http, url)
+    record = await _webhook_status(http, request_id, {"refused"})
+    [attempt] = record["webhook_attempts"]
+    assert attempt["error"].startswith("refused: ") and why in attempt["error"]
+
+
+# -- binders started by the tests below, on Redis databases and MongoDB databases of their own
+
+
+@pytest.fixture
+def isolated(stack) -> dict[str, str]:
+    number = next(_databases)
+    return {"REDIS_URL": stack.redis_db_url(number), "MONGO_DB": f"webhooks_test_{number}_{time.time_ns()}"}
+
+
+_databases = itertools.count(46)
+
+
+async def _stored_webhook(mongo, database: str, request_id: str, wanted: set[str], timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        document = await mongo[database][RESULTS_COLLECTION].find_one({"_id": request_id})
+        if document and document.get("webhook_status") in wanted:
+            return document
+        assert time.monotonic() < deadline, f"webhook_status is {document and document.get('webhook_status')}"
+        await asyncio.sleep(0.1)
+
+
+@dataclass
+class Trickler:
+    """A raw HTTP receiver that reads the request, then sends its status line one byte
+    every `every_s` seconds: each read of the sender succeeds, the answer takes ~half an
+    hour. Records when each connection opened and when the sender closed it."""
+
+    every_s: float = 0.2
+    connections: list[tuple[float, float | None]] = field(default_factory=list)  # (opened, closed)
+    port: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = len(self.connections)
+        self.connections.append((time.monotonic(), None))
+        trickle = asyncio.create_task(self._trickle(reader, writer))
+        try:
+            await trickle
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the sender gave up on us
+        finally:
+            self.connections[number] = (self.connections[number][0], time.monotonic())
+            writer.close()
+
+    async def _trickle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        found = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+        await reader.readexactly(int(found.group(1)) if found else 0)
+        closed = asyncio.create_task(reader.read())  # b"" once the sender closes the connection
+        for byte in b"HTTP/1.1 200 OK\r\nx-slow: " + b"." * 10_000:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            try:
+                await asyncio.wait_for(asyncio.shield(closed), self.every_s)
+                return
+            except TimeoutError:
+                pass
+        closed.cancel()
+
+    def overlapping(self) -> bool:
+        spans = sorted((opened, closed or float("inf")) for opened, closed in self.connections)
+        return any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans))
+
+
+async def test_a_trickling_receiver_gets_one_connection_per_attempt_and_no_duplicate(stack, mongo, isolated) -> None:
+    trickler = Trickler()
+    server = await asyncio.start_server(trickler.handle, "127.0.0.1", 0)
+    trickler.port = server.sockets[0].getsockname()[1]
+    lease_s = 3.0
+    process, _ = stack.start_binder(
+        "binder-trickle",
+        WEBHOOK_LEASE_S=str(lease_s),
+        WEBHOOK_TIMEOUT_S="1.5",
+        WEBHOOK_RETRY_SCHEDULE="0,0.5",
+        **isolated,
+    )
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    try:
+        record = text_record(webhook=f"http://127.0.0.1:{trickler.port}/slow")
+        await publish(redis, [record])
+        document = await _stored_webhook(mongo, isolated["MONGO_DB"], record.request_id, {"failed"})
+        attempts = document["webhook_attempts"]
+        assert len(attempts) == 2
+        assert all("attempt deadline" in attempt["error"] for attempt in attempts)
+        # Past the lease of the last attempt: had an attempt outlived its lease, the
+        # delivery would have been claimed again and sent once more by now.
+        deadline = time.monotonic() + lease_s + 1
+        while time.monotonic() < deadline and len(trickler.connections) == len(attempts):
+            await asyncio.sleep(0.1)
+        assert len(trickler.connections) == len(attempts)
+        assert not trickler.overlapping()
+    finally:
+        stack.stop(process)
+        server.close()
+        await redis.aclose()
+
+
+def test_an_invalid_signing_secret_stops_the_binder_at_start_with_one_line(stack) -> None:
+    name = f"binder-bad-secret-{time.time_ns()}"
+    with pytest.raises(LaunchError, match="exited with code 2"):
+        stack.start_binder(name, WEBHOOK_SECRETS="whsec_REPLACE_ME")
+    lines = (stack.data_dir / "logs" / f"{name}.log").read_text().strip().splitlines()
+    assert lines == [
+        "binder: invalid settings: WEBHOOK_SECRETS: secret 1 of 1 is not base64 after whsec_ "
+        "(expected whsec_ and the base64 of 24 to 64 random bytes)"
+    ]

@@ -5,28 +5,66 @@ reads the whole `results` stream (plain XREAD, not the consumer group, which spl
 entries between binders), from the last entry its snapshot applied. Without a
 snapshot, or when the stream was trimmed past that entry, it rebuilds from MongoDB
 and then replays all the stream still holds (results not yet stored are there; ids
-already present are skipped)."""
+already present are skipped).
+
+Each vector keeps its result's tenant and expiry (the expires_at MongoDB's TTL acts
+on, computed the way the store computes it), so searches stay within a tenant and
+the index forgets what MongoDB forgets.
+
+The index is touched only from worker threads (to_thread): its lock is then never
+waited for on the event loop, which also serves /healthz, the archiver and webhooks.
+Snapshots run in the background while indexing goes on."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from datetime import datetime
 
 from redis.asyncio import Redis
 
-from binder.index.vectors import VectorIndex
-from gateway.common.result_store import ResultStore, embedding_from_document
+from binder.index.vectors import NEVER, Item, VectorIndex
+from gateway.common.result_store import ResultStore, embedding_from_document, expiry_of
 from gateway.common.streams import stream_id_order
 from gateway.protocol import ResultRecord
+from gateway.protocol.records import DEFAULT_TENANT
 from gateway.protocol.redis_keys import RESULTS_STREAM
 
 log = logging.getLogger(__name__)
 
+# How often vectors marked expired are removed from FAISS (searches skip them meanwhile).
+SWEEP_EVERY_S = 10.0
 
-def embedding_of(record: ResultRecord) -> tuple[str, str, list[float]] | None:
+
+# The index forgets a vector this long before its record's expires_at: TTL monitors and
+# clocks differ between hosts (nx-27017's monitor deletes up to a second early), and a
+# hit must never point at a record MongoDB no longer has.
+EXPIRY_MARGIN_S = 2.0
+
+
+def forget_at(moment: datetime) -> float:
+    """When the index forgets a result expiring at moment, in epoch seconds: as MongoDB keeps
+    it (milliseconds, rounded down), less the margin."""
+    return math.floor(moment.timestamp() * 1000) / 1000 - EXPIRY_MARGIN_S
+
+
+def item_of(record: ResultRecord, store: ResultStore) -> Item | None:
     found = record.embedding
-    return (found[0], record.request_id, found[1]) if found else None
+    if not found:
+        return None
+    expires = forget_at(expiry_of(record, store.retention))
+    return Item(found[0], record.tenant, record.request_id, found[1], expires)
+
+
+def item_from_document(document: dict) -> Item | None:
+    found = embedding_from_document(document)
+    if not found:
+        return None
+    expires = document.get("expires_at")
+    at = forget_at(expires) if isinstance(expires, datetime) else NEVER
+    return Item(found[0], document.get("tenant") or DEFAULT_TENANT, document["_id"], found[1], at)
 
 
 class IndexFollower:
@@ -38,7 +76,9 @@ class IndexFollower:
         self.store = store
         self.snapshot_interval_s = snapshot_interval_s
         self.batch = batch
+        self.prepared = False
         self.caught_up = asyncio.Event()
+        self.snapshotting: asyncio.Task[None] | None = None
 
     async def prepare(self) -> None:
         loaded = await asyncio.to_thread(self.index.load)
@@ -48,8 +88,9 @@ class IndexFollower:
                 self.index.last_id,
                 {s: self.index.ntotal(s) for s in self.index.spaces},
             )
-            return
-        await self.rebuild()
+        else:
+            await self.rebuild()
+        self.prepared = True
 
     async def _gap_after(self, last_id: str) -> bool:
         """True when entries after last_id may have been trimmed from the stream."""
@@ -63,14 +104,16 @@ class IndexFollower:
         started = time.monotonic()
         items = []
         async for document in self.store.embeddings():
-            found = embedding_from_document(document)
-            if found:
-                items.append((found[0], document["_id"], found[1]))
-        self.index.add(items, last_id="0-0")
-        log.info("index rebuilt from MongoDB: %d vectors in %.1fs", len(items), time.monotonic() - started)
+            item = item_from_document(document)
+            if item:
+                items.append(item)
+        added = await asyncio.to_thread(self.index.add, items, "0-0")
+        log.info("index rebuilt from MongoDB: %d vectors in %.1fs", added, time.monotonic() - started)
 
     async def run(self) -> None:
-        last_snapshot = time.monotonic()
+        if not self.prepared:  # at start, or after a failed start (MongoDB or Redis down)
+            await self.prepare()
+        last_snapshot = last_sweep = time.monotonic()
         applied_since_snapshot = 0
         while True:
             reply = await self.redis.xread({RESULTS_STREAM: self.index.last_id}, count=self.batch, block=1000)
@@ -81,13 +124,31 @@ class IndexFollower:
                 items = []
                 for _, fields in entries:
                     try:
-                        found = embedding_of(ResultRecord.model_validate_json(fields.get("record", "")))
+                        item = item_of(ResultRecord.model_validate_json(fields.get("record", "")), self.store)
                     except ValueError:
                         continue  # not a record; the storing side dead-letters it
-                    if found:
-                        items.append(found)
-                applied_since_snapshot += self.index.add(items, last_id=entries[-1][0])
-            due = time.monotonic() - last_snapshot >= self.snapshot_interval_s
-            if applied_since_snapshot and due:
-                await asyncio.to_thread(self.index.snapshot)
-                last_snapshot, applied_since_snapshot = time.monotonic(), 0
+                    if item:
+                        items.append(item)
+                applied_since_snapshot += await asyncio.to_thread(self.index.add, items, entries[-1][0])
+            now = time.monotonic()
+            if now - last_sweep >= SWEEP_EVERY_S:
+                last_sweep = now
+                await asyncio.to_thread(self.index.forget_expired)
+            idle = self.snapshotting is None or self.snapshotting.done()
+            if applied_since_snapshot and idle and now - last_snapshot >= self.snapshot_interval_s:
+                self.snapshotting = asyncio.create_task(self._snapshot())
+                last_snapshot, applied_since_snapshot = now, 0
+
+    async def _snapshot(self) -> None:
+        try:
+            await asyncio.to_thread(self.index.snapshot)
+        except Exception as exc:  # the next one tries again; CURRENT still names the last good one
+            log.warning("index snapshot failed: %s", exc)
+
+    async def close(self) -> None:
+        """Wait for a snapshot in progress, then take a last one (only of an index that
+        was loaded or rebuilt: an empty one must not replace a good snapshot)."""
+        if self.snapshotting is not None:
+            await asyncio.gather(self.snapshotting, return_exceptions=True)
+        if self.prepared:
+            await asyncio.to_thread(self.index.snapshot)

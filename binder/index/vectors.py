@@ -1,9 +1,21 @@
-"""The vector index: one FAISS inner-product index per embedding space (vectors are
-L2-normalised, so inner product is cosine similarity).
+"""The vector index: one FAISS inner-product index per (embedding space, tenant)
+(vectors are L2-normalised, so inner product is cosine similarity).
 
-Each space is an IndexIDMap2 over IndexFlatIP; its int64 ids are positions in a list of
-request ids, and a request id already present is skipped, so delivering a result again
-adds nothing. One task writes (the follower); searches take the same lock.
+Tenants are partitions, not a filter on hits: a search looks only at its tenant's
+index, so it returns the tenant's k nearest results however many closer ones other
+tenants hold (a search without a tenant merges every tenant's hits).
+
+Each (space, tenant) is an IndexIDMap2 over IndexFlatIP. Its int64 ids are never reused
+and map to request ids; a request id already present is skipped, so delivering a
+result again adds nothing. Every vector carries its result's expiry (MongoDB's TTL on
+expires_at) so the index forgets what MongoDB forgets: an expired vector is never
+returned (searches mark what has expired and skip it), and the follower removes the
+marked ones from FAISS now and then (remove_ids on a flat index compacts all of it,
+too costly to do on every search).
+
+One task writes (the follower, from a worker thread); searches, expiry and snapshots
+take the same lock, each only briefly: a snapshot clones the indexes under the lock
+and writes the files after releasing it, so it blocks neither searches nor indexing.
 
 Snapshots are atomic: all files go into a fresh directory, are fsynced, and only then
 does the CURRENT pointer (itself replaced by rename) move to it. A process killed
@@ -11,125 +23,266 @@ mid-snapshot leaves CURRENT on the previous complete snapshot."""
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import faiss
 import numpy as np
 
+from gateway.protocol.records import DEFAULT_TENANT
+
 log = logging.getLogger(__name__)
+
+SNAPSHOT_FORMAT = 2  # 1 (no tenants, no expiry) is not loaded: the index is rebuilt instead
+NEVER = float("inf")
+
+
+class Item(NamedTuple):
+    """One vector to index."""
+
+    space: str
+    tenant: str
+    request_id: str
+    vector: list[float]
+    expires_at: float = NEVER  # epoch seconds
 
 
 @dataclass
-class SpaceIndex:
+class Shard:
+    """The vectors of one (space, tenant)."""
+
     dim: int
     index: Any  # faiss.IndexIDMap2 (faiss ships no type information)
-    request_ids: list[str] = field(default_factory=list)
-    positions: dict[str, int] = field(default_factory=dict)
-    gpu: Any = None  # a GPU copy for search, when a GPU is present
+    request_of: dict[int, str] = field(default_factory=dict)  # FAISS id -> request id
+    id_of: dict[str, int] = field(default_factory=dict)
+    expiry: list[tuple[float, int]] = field(default_factory=list)  # heap of (expires_at, FAISS id)
+    expired: set[int] = field(default_factory=set)  # past expiry, still in FAISS until swept
+    next_id: int = 0
+    gpu: Any = None  # a GPU copy of the flat vectors for search, when a GPU is present
 
     @classmethod
-    def empty(cls, dim: int) -> SpaceIndex:
+    def empty(cls, dim: int) -> Shard:
         return cls(dim=dim, index=faiss.IndexIDMap2(faiss.IndexFlatIP(dim)))
 
-    def add(self, items: list[tuple[str, list[float]]]) -> int:
-        fresh: dict[str, list[float]] = {}
-        for request_id, vector in items:
-            if request_id not in self.positions and request_id not in fresh and len(vector) == self.dim:
-                fresh[request_id] = vector
+    @property
+    def live(self) -> int:
+        return len(self.request_of) - len(self.expired)
+
+    def add(self, items: list[Item], now: float) -> int:
+        fresh: dict[str, Item] = {}
+        for item in items:
+            if item.request_id not in self.id_of and item.expires_at > now:
+                fresh.setdefault(item.request_id, item)
         if not fresh:
             return 0
-        start = len(self.request_ids)
-        ids = np.arange(start, start + len(fresh), dtype=np.int64)
-        vectors = np.asarray(list(fresh.values()), dtype=np.float32)
+        ids = np.arange(self.next_id, self.next_id + len(fresh), dtype=np.int64)
+        vectors = np.asarray([item.vector for item in fresh.values()], dtype=np.float32)
         self.index.add_with_ids(vectors, ids)
         if self.gpu is not None:
-            self.gpu.add(vectors)  # positions line up: ids are 0..n-1 in order
-        for offset, request_id in enumerate(fresh):
-            self.request_ids.append(request_id)
-            self.positions[request_id] = start + offset
+            self.gpu.add(vectors)  # appended in the same order: GPU positions are flat positions
+        for faiss_id, item in zip(ids.tolist(), fresh.values(), strict=True):
+            self.request_of[faiss_id] = item.request_id
+            self.id_of[item.request_id] = faiss_id
+            if item.expires_at != NEVER:
+                heapq.heappush(self.expiry, (item.expires_at, faiss_id))
+        self.next_id += len(fresh)
         return len(fresh)
 
-    def search(self, vector: list[float], k: int) -> list[tuple[str, float]]:
-        if not self.request_ids:
+    def mark_expired(self, now: float) -> None:
+        while self.expiry and self.expiry[0][0] <= now:
+            self.expired.add(heapq.heappop(self.expiry)[1])
+
+    def sweep(self) -> int:
+        """Remove the vectors marked expired from FAISS."""
+        if not self.expired:
+            return 0
+        gone = np.fromiter(self.expired, dtype=np.int64, count=len(self.expired))
+        removed = int(self.index.remove_ids(faiss.IDSelectorBatch(gone)))
+        for faiss_id in self.expired:
+            request_id = self.request_of.pop(faiss_id, None)
+            if request_id is not None:
+                self.id_of.pop(request_id, None)
+        self.expired.clear()
+        if self.gpu is not None:  # remove_ids compacted the flat vectors: copy them again
+            self.gpu.reset()
+            if self.index.ntotal:
+                self.gpu.add(faiss.downcast_index(self.index.index).reconstruct_n(0, self.index.ntotal))
+        return removed
+
+    def search(self, query: np.ndarray, k: int) -> list[tuple[str, float]]:
+        total = self.index.ntotal
+        if not total:
             return []
-        query = np.asarray([vector], dtype=np.float32)
-        scores, ids = (self.gpu or self.index).search(query, min(k, len(self.request_ids)))
-        return [(self.request_ids[i], float(s)) for s, i in zip(scores[0], ids[0], strict=False) if i >= 0]
+        # Ask for as many more as are marked expired, so k live hits remain after skipping them.
+        fetch = min(k + len(self.expired), total)
+        if self.gpu is not None:
+            scores, positions = self.gpu.search(query, fetch)
+            id_map = self.index.id_map
+            ids = [id_map.at(int(p)) if p >= 0 else -1 for p in positions[0]]
+        else:
+            scores, found = self.index.search(query, fetch)
+            ids = found[0].tolist()
+        hits = []
+        for score, faiss_id in zip(scores[0].tolist(), ids, strict=True):
+            if faiss_id >= 0 and faiss_id not in self.expired:
+                hits.append((self.request_of[faiss_id], float(score)))
+        return hits[:k]
+
+
+@dataclass
+class Captured:
+    """A shard's state copied under the lock, for writing after it is released."""
+
+    space: str
+    tenant: str
+    dim: int
+    index: Any
+    request_of: dict[int, str]
+    expiry: list[tuple[float, int]]
+    expired: set[int]
 
 
 class VectorIndex:
     def __init__(self, directory: Path, use_gpu: bool | None = None) -> None:
         self.directory = directory
-        self.spaces: dict[str, SpaceIndex] = {}
+        self.shards: dict[tuple[str, str], Shard] = {}
+        self.dims: dict[str, int] = {}
         self.last_id = "0-0"  # last applied entry of the results stream
         self.lock = threading.Lock()
+        self.snapshot_lock = threading.Lock()  # one snapshot writes at a time
         self.use_gpu = faiss.get_num_gpus() > 0 if use_gpu is None else use_gpu
         self._gpu_resources = faiss.StandardGpuResources() if self.use_gpu else None
 
-    def ntotal(self, space: str) -> int:
-        return self.spaces[space].index.ntotal if space in self.spaces else 0
+    @property
+    def spaces(self) -> list[str]:
+        return sorted(self.dims)
 
-    def _space(self, name: str, dim: int) -> SpaceIndex:
-        space = self.spaces.get(name)
-        if space is None:
-            space = self.spaces[name] = SpaceIndex.empty(dim)
-            self._attach_gpu(space)
-        return space
+    def ntotal(self, space: str, tenant: str | None = None) -> int:
+        """Live (not expired) vectors of a space, of one tenant or of all."""
+        shards = list(self.shards.items())  # a copy: healthz reads without the lock
+        return sum(shard.live for (name, owner), shard in shards if name == space and tenant in (None, owner))
 
-    def _attach_gpu(self, space: SpaceIndex) -> None:
+    def tenants(self, space: str) -> list[str]:
+        return sorted(owner for name, owner in list(self.shards) if name == space)
+
+    def _shard(self, space: str, tenant: str) -> Shard:
+        shard = self.shards.get((space, tenant))
+        if shard is None:
+            shard = self.shards[(space, tenant)] = Shard.empty(self.dims[space])
+            self._attach_gpu(shard)
+        return shard
+
+    def _attach_gpu(self, shard: Shard) -> None:
         if self._gpu_resources is not None:
-            space.gpu = faiss.GpuIndexFlatIP(self._gpu_resources, space.dim)
-            if space.request_ids:
-                vectors = faiss.downcast_index(space.index.index).reconstruct_n(0, len(space.request_ids))
-                space.gpu.add(vectors)
+            shard.gpu = faiss.GpuIndexFlatIP(self._gpu_resources, shard.dim)
+            if shard.index.ntotal:
+                shard.gpu.add(faiss.downcast_index(shard.index.index).reconstruct_n(0, shard.index.ntotal))
 
-    def add(self, items: list[tuple[str, str, list[float]]], last_id: str | None = None) -> int:
-        """items: (space, request_id, vector). last_id: the stream entry they came up to."""
+    def add(self, items: list[Item], last_id: str | None = None, now: float | None = None) -> int:
+        """Index the items (those already expired are skipped). last_id: the stream entry
+        they came up to."""
+        now = time.time() if now is None else now
         added = 0
         with self.lock:
-            by_space: dict[str, list[tuple[str, list[float]]]] = {}
-            for space, request_id, vector in items:
-                by_space.setdefault(space, []).append((request_id, vector))
-            for name, pairs in by_space.items():
-                target = self._space(name, len(pairs[0][1]))
-                if any(len(v) != target.dim for _, v in pairs):
-                    log.warning("space %s: dropping vectors whose size is not %d", name, target.dim)
-                added += target.add(pairs)
+            by_shard: dict[tuple[str, str], list[Item]] = {}
+            for item in items:
+                dim = self.dims.setdefault(item.space, len(item.vector))
+                if len(item.vector) != dim:
+                    log.warning("space %s: dropping a vector whose size is not %d", item.space, dim)
+                    continue
+                by_shard.setdefault((item.space, item.tenant), []).append(item)
+            for (space, tenant), shard_items in by_shard.items():
+                added += self._shard(space, tenant).add(shard_items, now)
             if last_id is not None:
                 self.last_id = last_id
         return added
 
-    def search(self, space: str, vector: list[float], k: int) -> list[tuple[str, float]]:
+    def search(
+        self, space: str, vector: list[float], k: int, tenant: str | None = None, now: float | None = None
+    ) -> list[tuple[str, float]]:
+        """The k nearest live vectors of the tenant (of every tenant when None)."""
+        now = time.time() if now is None else now
         with self.lock:
-            index = self.spaces.get(space)
-            if index is None:
+            dim = self.dims.get(space)
+            if dim is None:
                 return []
-            if len(vector) != index.dim:
-                raise ValueError(f"space {space} holds {index.dim}-dimensional vectors, not {len(vector)}")
-            return index.search(vector, k)
+            if len(vector) != dim:
+                raise ValueError(f"space {space} holds {dim}-dimensional vectors, not {len(vector)}")
+            if tenant is None:
+                shards = [shard for (name, _), shard in self.shards.items() if name == space]
+            else:
+                shards = [self.shards[(space, tenant)]] if (space, tenant) in self.shards else []
+            query = np.asarray([vector], dtype=np.float32)
+            hits: list[tuple[str, float]] = []
+            for shard in shards:
+                shard.mark_expired(now)
+                hits.extend(shard.search(query, k))
+        hits.sort(key=lambda hit: hit[1], reverse=True)
+        return hits[:k]
+
+    def forget_expired(self, now: float | None = None) -> int:
+        """Remove every vector whose result has expired; returns how many."""
+        now = time.time() if now is None else now
+        removed = 0
+        with self.lock:
+            for shard in self.shards.values():
+                shard.mark_expired(now)
+                removed += shard.sweep()
+        if removed:
+            log.info("index: removed %d expired vectors", removed)
+        return removed
 
     # -- snapshots --------------------------------------------------------------------
 
-    def snapshot(self) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def _capture(self) -> tuple[str, list[Captured]]:
+        """Copies of every shard, taken under the lock (memory copies only, no I/O)."""
         with self.lock:
-            name = f"snapshot-{self.last_id}"
-            staging = self.directory / f"{name}.partial"
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir()
-            spaces_meta: dict[str, Any] = {}
-            for space_name, space in self.spaces.items():
-                faiss.write_index(space.index, str(staging / f"{space_name}.faiss"))
-                spaces_meta[space_name] = {"dim": space.dim, "request_ids": space.request_ids}
-            (staging / "meta.json").write_text(json.dumps({"last_id": self.last_id, "spaces": spaces_meta}))
+            captured = []
+            for (space, tenant), shard in self.shards.items():
+                index = faiss.clone_index(shard.index)
+                state = (dict(shard.request_of), list(shard.expiry), set(shard.expired))
+                captured.append(Captured(space, tenant, shard.dim, index, *state))
+            return self.last_id, captured
+
+    def snapshot(self) -> Path:
+        with self.snapshot_lock:
+            last_id, captured = self._capture()
+            return self._write(last_id, captured)
+
+    def _write(self, last_id: str, captured: list[Captured]) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = f"snapshot-{last_id}"
+        staging = self.directory / f"{name}.partial"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+        shards_meta = []
+        for number, shard in enumerate(captured):
+            file_name = f"shard-{number}.faiss"
+            faiss.write_index(shard.index, str(staging / file_name))
+            ids = faiss.vector_to_array(shard.index.id_map).tolist()  # in the order of the vectors
+            expiry = {faiss_id: at for at, faiss_id in shard.expiry}
+            expiry.update(dict.fromkeys(shard.expired, 0.0))  # marked expired: gone at the next sweep
+            shards_meta.append(
+                {
+                    "file": file_name,
+                    "space": shard.space,
+                    "tenant": shard.tenant,
+                    "dim": shard.dim,
+                    "request_ids": [shard.request_of[i] for i in ids],
+                    "expires_at": [_json_time(expiry.get(i, NEVER)) for i in ids],
+                }
+            )
+        meta = {"format": SNAPSHOT_FORMAT, "last_id": last_id, "shards": shards_meta}
+        (staging / "meta.json").write_text(json.dumps(meta))
         for path in staging.iterdir():
             _fsync(path)
         final = self.directory / name
@@ -148,32 +301,44 @@ class VectorIndex:
         return final
 
     def load(self) -> bool:
-        """Load the snapshot CURRENT points at. False when there is none."""
+        """Load the snapshot CURRENT points at. False when there is none, or it is of
+        an older format (then the index is rebuilt from MongoDB)."""
         pointer = self.directory / "CURRENT"
         if not pointer.exists():
             return False
         snapshot = self.directory / pointer.read_text().strip()
         meta = json.loads((snapshot / "meta.json").read_text())
-        spaces = {}
-        for space_name, info in meta["spaces"].items():
-            index = faiss.read_index(str(snapshot / f"{space_name}.faiss"))
-            request_ids = list(info["request_ids"])
-            if index.ntotal != len(request_ids):
-                raise ValueError(
-                    f"snapshot {snapshot.name}: {space_name} has {index.ntotal} vectors, {len(request_ids)} ids"
-                )
-            space = SpaceIndex(
+        if meta.get("format") != SNAPSHOT_FORMAT:
+            log.info("snapshot %s is of an older format (no tenants); rebuilding instead", snapshot.name)
+            return False
+        shards: dict[tuple[str, str], Shard] = {}
+        dims: dict[str, int] = {}
+        for info in meta["shards"]:
+            index: Any = faiss.read_index(str(snapshot / info["file"]))  # an IndexIDMap2
+            ids = faiss.vector_to_array(index.id_map).tolist()
+            request_ids, expires = info["request_ids"], info["expires_at"]
+            if not len(ids) == len(request_ids) == len(expires):
+                raise ValueError(f"snapshot {snapshot.name}: {info['file']} has {len(ids)} vectors, other metadata")
+            shard = Shard(
                 dim=info["dim"],
                 index=index,
-                request_ids=request_ids,
-                positions={rid: i for i, rid in enumerate(request_ids)},
+                request_of=dict(zip(ids, request_ids, strict=True)),
+                id_of=dict(zip(request_ids, ids, strict=True)),
+                expiry=[(at, i) for i, at in zip(ids, expires, strict=True) if at is not None],
+                next_id=max(ids, default=-1) + 1,
             )
-            self._attach_gpu(space)
-            spaces[space_name] = space
+            heapq.heapify(shard.expiry)
+            self._attach_gpu(shard)
+            shards[(info["space"], info.get("tenant") or DEFAULT_TENANT)] = shard
+            dims[info["space"]] = info["dim"]
         with self.lock:
-            self.spaces = spaces
+            self.shards, self.dims = shards, dims
             self.last_id = meta["last_id"]
         return True
+
+
+def _json_time(at: float) -> float | None:
+    return None if at == NEVER else at  # JSON has no infinity
 
 
 def _fsync(path: Path) -> None:

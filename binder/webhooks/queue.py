@@ -1,7 +1,8 @@
 """The webhook delivery queue in Redis. A delivery is a hash `webhook:<id>` plus a place
 in the `webhooks:due` sorted set (scored by its next attempt). Senders claim due
 deliveries with a lease, so a sender that dies loses nothing: the lease runs out and
-another sender takes them."""
+another sender takes them. An attempt must end inside its lease (the sender gives each
+one a deadline), or the lease runs out mid-attempt and the delivery is sent twice."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from redis.asyncio import Redis
 
 from gateway.protocol import TERMINAL_EVENT, ResultRecord
 from gateway.protocol.redis_keys import WEBHOOK_DUE, webhook_key
+
+# Time kept at the end of a lease for recording the attempt's outcome.
+LEASE_MARGIN_S = 1.0
 
 ENQUEUE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -42,6 +46,7 @@ class Delivery:
     webhook_id: str
     attempts: int
     log: list[dict[str, Any]] = field(default_factory=list)
+    leased_until: float = 0.0  # epoch seconds; 0: not claimed
 
 
 class WebhookQueue:
@@ -87,7 +92,8 @@ class WebhookQueue:
 
     async def claim(self, limit: int) -> list[Delivery]:
         now = time.time()
-        ids = await self._claim(keys=[WEBHOOK_DUE], args=[now, limit, now + self.lease_s])
+        leased_until = now + self.lease_s
+        ids = await self._claim(keys=[WEBHOOK_DUE], args=[now, limit, leased_until])
         deliveries = []
         for delivery_id in ids:
             h = await self.redis.hgetall(webhook_key(delivery_id))
@@ -104,6 +110,7 @@ class WebhookQueue:
                     webhook_id=h["webhook_id"],
                     attempts=int(h["attempts"]),
                     log=json.loads(h.get("log") or "[]"),
+                    leased_until=leased_until,
                 )
             )
         return deliveries

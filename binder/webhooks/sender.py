@@ -3,13 +3,21 @@
 Each POST is signed per the Standard Webhooks spec (webhook-id, webhook-timestamp,
 webhook-signature; v1 HMAC-SHA256 with every configured `whsec_` secret, for rotation),
 keeps the same webhook-id on every attempt, does not follow redirects, and goes only to
-allowed addresses (guard.py). Failures are retried on a Svix-like schedule with jitter;
-Retry-After is honoured; 410 Gone stops retries."""
+allowed addresses and ports (guard.py). Failures are retried on a Svix-like schedule with
+jitter; Retry-After is honoured; 410 Gone and a refused destination end the delivery.
+
+Every attempt ends in a recorded outcome, whatever goes wrong in it (a host name that
+cannot be encoded, a resolver error, a bug): an attempt that raised without being
+recorded would be claimed again when its lease ran out, every lease, for ever. Each
+attempt also has a total deadline inside its lease, so a receiver that trickles its
+answer cannot outlive the lease and get the delivery twice. Only the status line and
+headers are awaited; the response body is never read."""
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import logging
 import random
 import time
@@ -19,8 +27,9 @@ from typing import Any
 import httpx
 from standardwebhooks import Webhook
 
-from binder.webhooks.guard import AddressGuard, Refused, pinned
-from binder.webhooks.queue import Delivery, WebhookQueue
+from binder.webhooks.guard import AddressGuard, Refused, Unresolvable, pinned
+from binder.webhooks.queue import LEASE_MARGIN_S, Delivery, WebhookQueue
+from gateway.common.logs import bind_request_ids
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,18 @@ def retry_after_seconds(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+def trace_id_of(delivery: Delivery) -> str | None:
+    """The X-Request-ID of the call that submitted the request (the record in the payload
+    holds it), when it is one that is safe in a header line."""
+    try:
+        trace_id = (json.loads(delivery.payload).get("data") or {}).get("trace_id")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(trace_id, str) and 0 < len(trace_id) <= 128 and trace_id.isascii() and trace_id.isprintable():
+        return trace_id if " " not in trace_id else None
+    return None
+
+
 class WebhookSender:
     def __init__(
         self,
@@ -55,12 +76,14 @@ class WebhookSender:
         concurrency: int,
         allowlist: list[str],
     ) -> None:
-        """on_status(request_id, status, attempts_log) records the outcome (MongoDB)."""
+        """on_status(request_id, status, attempts_log) records the outcome (MongoDB).
+        timeout_s bounds a whole attempt (and each network operation in it)."""
         self.queue = queue
         self.on_status = on_status
         self.secrets = secrets
         self.retry_delays = retry_delays or [0.0]
         self.jitter = jitter
+        self.timeout_s = timeout_s
         self.guard = AddressGuard(allowlist)
         self.http = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
         self.slots = asyncio.Semaphore(concurrency)
@@ -86,33 +109,63 @@ class WebhookSender:
                 task.add_done_callback(self.tasks.discard)
             await asyncio.sleep(0.05 if deliveries else 0.2)
 
+    def deadline_s(self, delivery: Delivery) -> float:
+        """How long this attempt may take: the timeout, cut short to end inside the lease."""
+        if not delivery.leased_until:
+            return self.timeout_s
+        return max(0.0, min(self.timeout_s, delivery.leased_until - LEASE_MARGIN_S - time.time()))
+
     async def deliver(self, delivery: Delivery) -> None:
+        trace_id = trace_id_of(delivery)
+        bind_request_ids(trace_id=trace_id, request_id=delivery.request_id)  # in this delivery's task
         async with self.slots:
             delivery.attempts += 1
             attempt: dict[str, Any] = {"at": datetime.now(UTC).isoformat(), "attempt": delivery.attempts}
             started = time.monotonic()
-            status, retry_after = await self._post(delivery, attempt)
+            deadline = self.deadline_s(delivery)
+            try:
+                async with asyncio.timeout(deadline):
+                    status, retry_after = await self._post(delivery, attempt, trace_id)
+            except TimeoutError:
+                attempt["error"] = f"no response within the attempt deadline of {deadline:.1f}s"
+                status, retry_after = "error", None
+            except Exception as exc:  # recorded, and retried on the schedule: never a silent loop
+                log.warning("webhook %s attempt %d failed: %s", delivery.delivery_id, delivery.attempts, exc)
+                attempt["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                status, retry_after = "error", None
             attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
             delivery.log.append(attempt)
             next_at = self._next_attempt(delivery, status, retry_after)
             final = {"delivered": "delivered", "gone": "gone", "refused": "refused"}.get(status)
             outcome = final or ("retrying" if next_at is not None else "failed")
-            await self.queue.save_attempt(delivery, None if final else next_at)
-            await self.on_status(delivery.request_id, outcome, delivery.log)
+            try:
+                await self.queue.save_attempt(delivery, None if final else next_at)
+            except Exception as exc:  # Redis is down: the lease runs out and the attempt is made again
+                log.warning("saving webhook %s attempt %d failed: %s", delivery.delivery_id, delivery.attempts, exc)
+                return
             log.info("webhook %s attempt %d: %s", delivery.delivery_id, delivery.attempts, outcome)
+            try:
+                await self.on_status(delivery.request_id, outcome, delivery.log)
+            except Exception as exc:  # the attempt is saved in Redis; only the copy in MongoDB lags
+                log.warning("recording webhook status of %s failed: %s", delivery.request_id, exc)
 
-    async def _post(self, delivery: Delivery, attempt: dict[str, Any]) -> tuple[str, float | None]:
+    async def _post(
+        self, delivery: Delivery, attempt: dict[str, Any], trace_id: str | None = None
+    ) -> tuple[str, float | None]:
         """('delivered' | 'gone' | 'refused' | 'error', Retry-After seconds)."""
         if not self.secrets:
             attempt["error"] = "no webhook secret configured"
             return "refused", None
         try:
-            address = await self.guard.resolve(delivery.url)
+            target = await self.guard.resolve(delivery.url)
         except Refused as exc:
             attempt["error"] = f"refused: {exc}"
             return "refused", None
+        except Unresolvable as exc:
+            attempt["error"] = str(exc)
+            return "error", None
         now = datetime.now(UTC)
-        url, headers, extensions = pinned(delivery.url, address)
+        url, headers, extensions = pinned(delivery.url, target)
         headers.update(
             {
                 "content-type": "application/json",
@@ -122,17 +175,21 @@ class WebhookSender:
                 "user-agent": "triton-gateway-webhooks/1",
             }
         )
+        if trace_id:
+            headers["x-request-id"] = trace_id  # receivers can match their logs to ours
         try:
-            response = await self.http.post(url, content=delivery.payload, headers=headers, extensions=extensions)
+            request = self.http.stream("POST", url, content=delivery.payload, headers=headers, extensions=extensions)
+            async with request as response:  # closed unread: the status is all we need
+                status_code, retry_after = response.status_code, response.headers.get("retry-after")
         except httpx.HTTPError as exc:
             attempt["error"] = f"{type(exc).__name__}: {exc}"
             return "error", None
-        attempt["status_code"] = response.status_code
-        if 200 <= response.status_code < 300:
+        attempt["status_code"] = status_code
+        if 200 <= status_code < 300:
             return "delivered", None
-        if response.status_code == 410:
+        if status_code == 410:
             return "gone", None
-        return "error", retry_after_seconds(response.headers.get("retry-after"))
+        return "error", retry_after_seconds(retry_after)
 
     def _next_attempt(self, delivery: Delivery, status: str, retry_after: float | None) -> float | None:
         if status != "error" or delivery.attempts >= len(self.retry_delays):

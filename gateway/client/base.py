@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -36,6 +37,23 @@ Submitted = Accepted | ResultRecord
 
 def default_url() -> str:
     return os.environ.get("GATEWAY_URL") or DEFAULT_URL
+
+
+def default_api_key() -> str | None:
+    """GATEWAY_API_KEY, else the key `gateway up` saved in its data directory
+    (STACK_DATA_DIR, default .stack)."""
+    key = os.environ.get("GATEWAY_API_KEY")
+    if key:
+        return key.strip()
+    saved = Path(os.environ.get("STACK_DATA_DIR") or ".stack") / "api_key"
+    try:
+        return saved.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class GatewayError(Exception):

@@ -30,6 +30,8 @@ from gateway.client.base import (
     _still_waiting,
     _submit_call,
     _text_of,
+    auth_headers,
+    default_api_key,
     default_url,
 )
 from gateway.protocol import EventKind, ResultRecord, WebhookSpec
@@ -44,11 +46,14 @@ class GatewayClient:
         base_url: str | None = None,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
         http: httpx.Client | None = None,
     ) -> None:
+        """api_key: GATEWAY_API_KEY, else the key `gateway up` saved, by default."""
         self.base_url = base_url or default_url()
         self.timeout = timeout
-        self._http = http or httpx.Client(base_url=self.base_url, timeout=timeout)
+        headers = auth_headers(api_key or default_api_key())
+        self._http = http or httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def __enter__(self) -> Self:
         return self

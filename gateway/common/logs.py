@@ -2,25 +2,55 @@
 JSON lines (LOG_FORMAT=json) or readable key=value lines (console).
 
 Tracebacks are plain text, never with local variables (they would carry request
-bodies). A request id bound with `bind_request_id` (from nginx's X-Request-ID, or made
-here) is on every line logged while that request is handled, in any process it
-reaches."""
+bodies).
+
+Two ids are bound into the log context (`bind_request_ids`), with the same field names in
+every process:
+- `trace_id`: the X-Request-ID of the HTTP call (nginx's, the client's, or one the gateway
+  made). It travels with the request (in its queue payload and its result record), so it
+  is on the lines of nginx, the gateway's HTTP layer and dispatcher, and the binder's
+  archiver and webhook sender, and goes to webhook receivers as X-Request-ID.
+- `request_id`: the gateway's own request id, the one its API returns and MongoDB keys.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import structlog
 from structlog.types import Processor
 
+TRACE_ID = "trace_id"
+REQUEST_ID = "request_id"
 
-def bind_request_id(request_id: str) -> None:
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+
+def bind_request_ids(*, trace_id: str | None, request_id: str | None = None) -> None:
+    """Bind both ids into the log context of the running task. An id given as None is
+    unbound: a task started from another request's context (which it copies) must not
+    log under that request's ids."""
+    ids = {TRACE_ID: trace_id, REQUEST_ID: request_id}
+    structlog.contextvars.bind_contextvars(**{k: v for k, v in ids.items() if v is not None})
+    structlog.contextvars.unbind_contextvars(*(k for k, v in ids.items() if v is None))
 
 
-def clear_request_id() -> None:
-    structlog.contextvars.unbind_contextvars("request_id")
+def clear_request_ids() -> None:
+    structlog.contextvars.unbind_contextvars(TRACE_ID, REQUEST_ID)
+
+
+@contextmanager
+def request_ids_bound(*, trace_id: str | None, request_id: str | None = None) -> Iterator[None]:
+    """bind_request_ids for the lines logged inside the block (a loop's work on one
+    request); the ids bound before it are back afterwards."""
+    before = {k: v for k, v in structlog.contextvars.get_contextvars().items() if k in (TRACE_ID, REQUEST_ID)}
+    bind_request_ids(trace_id=trace_id, request_id=request_id)
+    try:
+        yield
+    finally:
+        clear_request_ids()
+        structlog.contextvars.bind_contextvars(**before)
 
 
 def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
@@ -53,3 +83,5 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     root.setLevel(level.upper())
     # httpx logs every request line at INFO; keep it for debugging only.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
+    # PyMongo's DEBUG command log holds the documents (requests' inputs and outputs).
+    logging.getLogger("pymongo").setLevel(max(logging.INFO, root.level))

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from bson.binary import Binary, BinaryVectorDtype
 from pymongo import AsyncMongoClient, WriteConcern
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError, PyMongoError
+from pymongo.errors import BulkWriteError, ConnectionFailure, PyMongoError
 
 from gateway.protocol import ResultRecord
 
@@ -74,10 +74,18 @@ def embedding_from_document(document: dict[str, Any]) -> tuple[str, list[float]]
     return index["space"], unpack_vector(outputs[index["output"]])
 
 
+def expiry_of(record: ResultRecord, retention: timedelta) -> datetime:
+    """When a stored result expires (the TTL index acts on it). The vector index computes
+    the same for results it reads from the stream, so it forgets them when MongoDB does."""
+    return (record.finished_at or record.created_at) + retention
+
+
 @dataclass
 class InsertOutcome:
     stored: list[str] = field(default_factory=list)  # request ids now in MongoDB (new or already there)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error
+    # MongoDB could not be reached at all (not a refusal of some documents).
+    unavailable: bool = False
 
 
 class ResultStore:
@@ -124,8 +132,7 @@ class ResultStore:
     # -- writing (binder) -------------------------------------------------------------
 
     def document(self, record: ResultRecord) -> dict[str, Any]:
-        finished = record.finished_at or record.created_at
-        stored = record.model_copy(update={"stored": True, "expires_at": finished + self.retention})
+        stored = record.model_copy(update={"stored": True, "expires_at": expiry_of(record, self.retention)})
         return record_to_document(stored)
 
     async def insert(self, records: list[ResultRecord]) -> InsertOutcome:
@@ -146,6 +153,7 @@ class ResultStore:
                 for record in records:
                     outcome.failed.setdefault(record.request_id, f"write concern: {message}")
         except PyMongoError as exc:
+            outcome.unavailable = isinstance(exc, ConnectionFailure)
             for record in records:
                 outcome.failed[record.request_id] = f"{type(exc).__name__}: {exc}"
         outcome.stored = [r.request_id for r in records if r.request_id not in outcome.failed]

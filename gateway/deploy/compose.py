@@ -31,11 +31,17 @@ TRITON_GRPC_PORT = 8001
 TRITON_HTTP_PORT = 8000
 GATEWAY_PORT = 8080
 BINDER_PORT = 8090
+TRITON_METRICS_PORT = 8002
+PROMETHEUS_PORT = 9090
+GRAFANA_PORT = 3000
+# Prometheus and Grafana start only with `docker compose --profile observability up`.
+OBSERVABILITY_PROFILE = "observability"
 LLM_MODEL_NAME = "trtllm_tensorrt_llm"
 
 HEADER = """\
 # Production deployment: Triton replicas (one GPU, or tensor_parallel_size GPUs, each),
-# Redis (AOF), MongoDB (single-node replica set), gateways, binders and nginx.
+# Redis (AOF), MongoDB (single-node replica set), gateways, binders and nginx; with
+# `--profile observability`, Prometheus and Grafana (compose/prometheus, compose/grafana).
 #
 # GENERATED from compose/deployment.toml by `gateway model-repo compose`: edit that file
 # (e.g. the list of GPUs) and run the command again rather than editing this one.
@@ -50,6 +56,9 @@ class Deployment:
     tensor_parallel_size: int = 1
     gateway_replicas: int = 2
     binders: int = 2
+    # Publish Triton's gRPC API through nginx for clients that call Triton directly.
+    # Off by default: Triton has no authentication, so it stays inside the network.
+    publish_triton_grpc: bool = False
 
     def __post_init__(self) -> None:
         if not self.gpus:
@@ -70,7 +79,7 @@ class Deployment:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ToolError(f"{path}: {exc}") from None
-        known = {"gpus", "tensor_parallel_size", "gateway_replicas", "binders"}
+        known = {"gpus", "tensor_parallel_size", "gateway_replicas", "binders", "publish_triton_grpc"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ToolError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -81,6 +90,7 @@ class Deployment:
             tensor_parallel_size=int(data.get("tensor_parallel_size", 1)),
             gateway_replicas=int(data.get("gateway_replicas", 2)),
             binders=int(data.get("binders", 2)),
+            publish_triton_grpc=bool(data.get("publish_triton_grpc", False)),
         )
 
     @property
@@ -103,7 +113,7 @@ def _tritonserver(rank: int, tp_size: int) -> list[str]:
         "--model-repository=/models",
         f"--http-port={TRITON_HTTP_PORT}",
         f"--grpc-port={TRITON_GRPC_PORT}",
-        "--metrics-port=8002",
+        f"--metrics-port={TRITON_METRICS_PORT}",
         "--disable-auto-complete-config",
         # Each MPI rank's python backend needs its own shared-memory names.
         f"--backend-config=python,shm-region-prefix-name=prefix{rank}_",
@@ -252,6 +262,8 @@ def generate(deployment: Deployment) -> dict[str, Any]:
                 "WEBHOOK_SECRETS": "${WEBHOOK_SECRETS:?set WEBHOOK_SECRETS in compose/.env}",
             },
             "volumes": [f"{binder_name(index)}-faiss:/data/faiss"],
+            # One name for every binder, as `triton` for the replicas: Prometheus finds them by it.
+            "networks": {"default": {"aliases": ["binder"]}},
             "depends_on": backing,
             "healthcheck": {
                 "test": _http_check(f"http://localhost:{BINDER_PORT}/healthz"),
@@ -265,7 +277,8 @@ def generate(deployment: Deployment) -> dict[str, Any]:
     services["nginx"] = {
         "image": "${NGINX_IMAGE:-nginx:1.28-alpine}",
         "volumes": ["../nginx/nginx.conf:/etc/nginx/nginx.conf:ro"],
-        "ports": ["${NGINX_HTTP_PORT:-80}:80", "${NGINX_GRPC_PORT:-8001}:8001"],
+        "ports": ["${NGINX_HTTP_PORT:-80}:80"]
+        + (["${NGINX_GRPC_PORT:-8001}:8001"] if deployment.publish_triton_grpc else []),
         # nginx resolves `gateway` and `triton` when it starts: they must exist by then.
         "depends_on": {
             "gateway": {"condition": "service_healthy"},
@@ -279,9 +292,63 @@ def generate(deployment: Deployment) -> dict[str, Any]:
         },
         "restart": "unless-stopped",
     }
+    services |= _observability()
     volumes: dict[str, dict[str, Any]] = {"redis-data": {}, "mongo-data": {}}
     volumes |= {f"{binder_name(i)}-faiss": {} for i in range(deployment.binders)}
+    volumes |= {"prometheus-data": {}, "grafana-data": {}}
     return {"name": "triton-gateway", "services": services, "volumes": volumes}
+
+
+def _observability() -> dict[str, Any]:
+    """Prometheus (scraping gateways, binders and Triton by their DNS names, so its
+    config does not change with the replica count) and Grafana with the dashboard
+    provisioned. Both listen on the host's loopback only: Prometheus has no
+    authentication, and Grafana starts with the admin password from compose/.env."""
+    return {
+        "prometheus": {
+            "image": "${PROMETHEUS_IMAGE:-prom/prometheus:v3.5.0}",
+            "profiles": [OBSERVABILITY_PROFILE],
+            "command": [
+                "--config.file=/etc/prometheus/prometheus.yml",
+                "--storage.tsdb.path=/prometheus",
+                "--storage.tsdb.retention.time=${PROMETHEUS_RETENTION:-15d}",
+            ],
+            "volumes": [
+                "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro",
+                "prometheus-data:/prometheus",
+            ],
+            "ports": [f"127.0.0.1:${{PROMETHEUS_PORT:-{PROMETHEUS_PORT}}}:{PROMETHEUS_PORT}"],
+            "healthcheck": {
+                "test": ["CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{PROMETHEUS_PORT}/-/ready"],
+                "interval": "10s",
+                "timeout": "3s",
+                "retries": 3,
+            },
+            "restart": "unless-stopped",
+        },
+        "grafana": {
+            "image": "${GRAFANA_IMAGE:-grafana/grafana:12.1.0}",
+            "profiles": [OBSERVABILITY_PROFILE],
+            "environment": {
+                "GF_SECURITY_ADMIN_PASSWORD": "${GRAFANA_ADMIN_PASSWORD:-admin}",
+                "GF_USERS_ALLOW_SIGN_UP": "false",
+            },
+            "volumes": [
+                "./grafana/provisioning:/etc/grafana/provisioning:ro",
+                "./grafana/dashboards:/var/lib/grafana/dashboards:ro",
+                "grafana-data:/var/lib/grafana",
+            ],
+            "ports": [f"127.0.0.1:${{GRAFANA_PORT:-{GRAFANA_PORT}}}:{GRAFANA_PORT}"],
+            "depends_on": {"prometheus": {"condition": "service_started"}},
+            "healthcheck": {
+                "test": ["CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{GRAFANA_PORT}/api/health"],
+                "interval": "10s",
+                "timeout": "3s",
+                "retries": 3,
+            },
+            "restart": "unless-stopped",
+        },
+    }
 
 
 def dump(deployment: Deployment) -> str:

@@ -111,6 +111,9 @@ class ResultRecord(BaseModel):
     index: IndexRef | None = None
     # Free-form labels given at submission (OpenAI metadata, batch and line ids).
     metadata: dict[str, str] = Field(default_factory=dict)
+    # The X-Request-ID of the HTTP call that submitted it: the binder logs under it and
+    # sends it to webhook receivers. Optional, so records without it still read.
+    trace_id: str | None = None
     # Set by the binder.
     stored: bool = False
     expires_at: datetime | None = None

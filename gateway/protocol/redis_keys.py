@@ -32,6 +32,7 @@ def band_for(priority: int, *, batch: bool = False) -> str:
 # -- Requests -------------------------------------------------------------------------------
 DEADLINES = "deadlines"  # sorted set: request id scored by its deadline
 BACKLOG = "backlog"  # hash: accepted, not yet started: 'all', 't:<tenant>', 'm:<model>'
+RUNNING = "running"  # hash: tenant -> requests running now (for per-tenant concurrency)
 DONE_CHANNEL = "done"  # pub/sub: '<id>\n<record>' when a request ends
 CANCEL_CHANNEL = "cancel"  # pub/sub: '<id>' when a running request is asked to stop
 

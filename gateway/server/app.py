@@ -8,12 +8,14 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from pymongo import AsyncMongoClient
 
 from gateway.common import redis as redis_clients
@@ -21,24 +23,41 @@ from gateway.common.logs import configure_logging
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, supervise
 from gateway.common.streams import StreamConsumer
+from gateway.protocol import ResultRecord
 from gateway.protocol.redis_keys import DISPATCH_GROUP, QUEUE_DEAD_LETTERS
-from gateway.server.api import events, operations, results, search, submit
+from gateway.server.api import admin, events, operations, results, search, submit
 from gateway.server.api.errors import install_error_handlers
 from gateway.server.api.limits import RequestLimitsMiddleware
+from gateway.server.api.request_id import RequestIdMiddleware
+from gateway.server.api.tenancy import Caller, CallerHeaders, caller
 from gateway.server.dispatch.dispatcher import Dispatcher
 from gateway.server.dispatch.runner import Runner
 from gateway.server.dispatch.sweeper import Sweeper
-from gateway.server.metrics import GatewayMetrics
+from gateway.server.metrics import GatewayMetrics, HttpMetricsMiddleware
 from gateway.server.models import ModelRegistry
+from gateway.server.openai import batches, chat, embeddings, files, responses
+from gateway.server.openai.batch_runner import BatchRunner
+from gateway.server.openai.batches import BatchStore
+from gateway.server.openai.errors import openai_error
+from gateway.server.openai.files import FileStore
 from gateway.server.queue.jobs import JobStore
-from gateway.server.replicas import ReplicaPool
+from gateway.server.replicas import Replica, ReplicaPool
+from gateway.server.replicas.discovery import replica_discovery
 from gateway.server.results.events import EventHub
 from gateway.server.results.notifier import CompletionNotifier
 from gateway.server.results.reader import ResultReader
+from gateway.server.routing.load import LoadTracker
+from gateway.server.routing.prefix_index import PrefixIndex
+from gateway.server.routing.router import Router, RoutingSettings
 from gateway.server.search.binders import BinderClient
 from gateway.server.search.service import SearchService
 from gateway.server.services import Services
 from gateway.server.settings import GatewaySettings
+from gateway.server.tenants.config import TenantLimits, TenantStore
+from gateway.server.tenants.keys import KeyStore
+from gateway.server.tenants.quotas import Quotas
+from gateway.server.tenants.usage import UsageLedger
+from gateway.server.ui import router as ui_router
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +73,46 @@ Errors are JSON: `{"error": {"code", "message"}}` with a stable `code`.
 
 def consumer_name() -> str:
     return f"gw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def metrics_urls(settings: GatewaySettings) -> Callable[[str], str | None]:
+    """Where a replica's Prometheus metrics are: TRITON_METRICS_URLS (one per gRPC URL),
+    else the replica's host at TRITON_METRICS_PORT."""
+    explicit = dict(zip(settings.triton_grpc_urls, settings.triton_metrics_urls, strict=False))
+
+    def url(replica: str) -> str | None:
+        if replica in explicit:
+            return explicit[replica]
+        host = replica.rsplit(":", 1)[0]
+        return f"http://{host}:{settings.triton_metrics_port}/metrics"
+
+    return url
+
+
+async def count_tenant(metrics: GatewayMetrics, settings: GatewaySettings, record: ResultRecord) -> None:
+    tenant = record.tenant if settings.metrics_tenant_label else "-"
+    metrics.tenant_requests.labels(tenant, record.status.value).inc()
+    if record.usage is not None:
+        metrics.tenant_tokens.labels(tenant, "prompt").inc(record.usage.prompt_tokens)
+        metrics.tenant_tokens.labels(tenant, "completion").inc(record.usage.completion_tokens)
+
+
+async def count_tokens(quotas: Quotas, tenants: TenantStore, record: ResultRecord) -> None:
+    """A finished request's real token usage counts against its tenant's tokens per minute."""
+    if record.usage is not None:
+        await quotas.used_tokens(await tenants.get(record.tenant), record.usage.total_tokens)
+
+
+def add_private_docs(app: FastAPI) -> None:
+    """/docs and /openapi.json for callers with a key (PUBLIC_DOCS=false)."""
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(who: Annotated[Caller, Depends(caller)]) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(who: Annotated[Caller, Depends(caller)]) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -82,7 +141,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         registry = ModelRegistry.from_file(settings.models_file)
         jobs = JobStore(redis, live_state_ttl_s=settings.live_state_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s)
         pool = ReplicaPool(
-            settings.triton_grpc_urls,
+            # With DNS discovery the replicas come from the name alone.
+            [] if settings.triton_dns_name else settings.triton_grpc_urls,
             max_inflight=settings.replica_max_inflight,
             probe_interval_s=settings.probe_interval_s,
             probe_timeout_s=settings.probe_timeout_s,
@@ -105,7 +165,32 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             side_tasks.add(task)
             task.add_done_callback(side_tasks.discard)
 
-        runner = Runner(registry, pool, jobs, settings, background)
+        index = PrefixIndex(redis, ttl_s=settings.prefix_ttl_s)
+        loads = LoadTracker(pool, metrics_urls(settings), interval_s=settings.load_scrape_s, on_reset=index.forget)
+
+        def forget_restarted(replica: Replica) -> None:
+            if replica.generation > 1:  # back after being out: its KV cache may be empty
+                background(index.forget(replica.url))
+
+        pool.on_admitted.append(forget_restarted)
+        routing = RoutingSettings(
+            policy=settings.llm_routing,
+            prefill_weight=settings.route_prefill_weight,
+            decode_weight=settings.route_decode_weight,
+            balance_abs=settings.route_balance_abs,
+            balance_rel=settings.route_balance_rel,
+        )
+        router = Router(pool, index, loads, routing, metrics.registry)
+        runner = Runner(registry, pool, jobs, settings, background, router)
+        defaults = TenantLimits(
+            requests_per_minute=settings.tenant_requests_per_minute,
+            tokens_per_minute=settings.tenant_tokens_per_minute,
+            max_concurrent=settings.tenant_max_concurrent,
+            max_queued=settings.tenant_max_queued,
+        )
+        tenants = TenantStore(mongo, settings.mongo_db, defaults)
+        quotas = Quotas(settings.redis_url)
+        usage = UsageLedger(redis)
         dispatcher = Dispatcher(
             redis=redis,
             blocking=blocking,
@@ -117,7 +202,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             settings=settings,
             metrics=metrics,
             notifier=notifier,
+            tenants=tenants,
         )
+        dispatcher.finished_hooks.append(usage.add)
+        dispatcher.finished_hooks.append(lambda record: count_tenant(metrics, settings, record))
+        dispatcher.finished_hooks.append(lambda record: count_tokens(quotas, tenants, record))
         sweeper = Sweeper(redis, jobs, consumer, dispatcher.queues, pool, settings, metrics, dispatcher.count)
         reader = ResultReader(jobs, store, notifier, settings.result_retention_s)
         app.state.services = Services(
@@ -133,39 +222,81 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             search=SearchService(registry, pool, reader, binders),
             binders=binders,
             metrics=metrics,
+            keys=KeyStore(mongo, settings.mongo_db, cache_s=settings.key_cache_s),
+            tenants=tenants,
+            quotas=quotas,
+            usage=usage,
+            files=FileStore(mongo, settings.mongo_db),
+            batches=BatchStore(mongo, settings.mongo_db),
         )
+        svc = app.state.services
+        svc.batch_runner = BatchRunner(svc, svc.batches)
         await pool.start()
+        discovery = replica_discovery(settings, pool, metrics)  # None: static TRITON_GRPC_URLS
+        if discovery is not None:
+            await discovery.start()
+        await loads.start()
         await notifier.start()
         await hub.start()
         await dispatcher.start()
         sweep_health = LoopHealth("sweeper")
         sweep_task = asyncio.create_task(supervise(sweep_health, sweeper.run), name="sweeper")
-        log.info("gateway ready: %d replicas, models %s", len(settings.triton_grpc_urls), registry.names)
+        batch_health = LoopHealth("batches")
+        batch_task = asyncio.create_task(supervise(batch_health, svc.batch_runner.run), name="batches")
+        log.info("gateway ready: %d replicas, models %s", len(pool.replicas), registry.names)
         try:
             yield
         finally:
             log.info("gateway stopping: draining running requests (up to %.0fs)", settings.drain_s)
             sweep_task.cancel()
-            await asyncio.gather(sweep_task, return_exceptions=True)
+            batch_task.cancel()
+            await asyncio.gather(sweep_task, batch_task, return_exceptions=True)
+            await svc.batch_runner.close()
             await dispatcher.stop()
             await hub.close()
             await notifier.close()
+            await loads.close()
             for task in list(side_tasks):
                 task.cancel()
             await asyncio.gather(*side_tasks, return_exceptions=True)
+            if discovery is not None:
+                await discovery.stop()
             await pool.close()
             await http.aclose()
             await mongo.close()
             await redis.aclose()
             await blocking.aclose()
 
-    app = FastAPI(title="Triton serving gateway", version="0.2.0", description=DESCRIPTION, lifespan=lifespan)
+    private_docs = not settings.public_docs
+    app = FastAPI(
+        title="Triton serving gateway",
+        version="0.2.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None if private_docs else "/docs",
+        openapi_url=None if private_docs else "/openapi.json",
+    )
+    app.add_middleware(CallerHeaders)
     app.add_middleware(
-        RequestLimitsMiddleware, max_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s
+        RequestLimitsMiddleware,
+        max_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        # An upload's multipart framing adds a little to the file itself.
+        uploads={"/v1/files": (settings.max_file_bytes + (1 << 20), max(settings.body_timeout_s, 600.0))},
     )
+    # Outermost (added last): every response, refusals included, is counted and carries
+    # X-Request-ID, and every line logged for the call has its trace_id.
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(
-        app, on_reject=lambda code: metrics.rejected.labels(code).inc(), retry_after_s=settings.retry_after_s
+        app,
+        on_reject=lambda code: metrics.rejected.labels(code).inc(),
+        retry_after_s=settings.retry_after_s,
+        renderers={"/v1/": openai_error},  # OpenAI's error body under /v1
     )
-    for module in (submit, results, events, search, operations):
+    for module in (submit, results, events, search, operations, admin, chat, embeddings, responses, files, batches):
         app.include_router(module.router)
+    app.include_router(ui_router)  # the browser page at /ui (its API calls need a key; the page does not)
+    if private_docs:
+        add_private_docs(app)
     return app

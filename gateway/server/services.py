@@ -3,7 +3,8 @@ routes (request.app.state.services)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from redis.asyncio import Redis
@@ -19,6 +20,15 @@ from gateway.server.results.reader import ResultReader
 from gateway.server.search.binders import BinderClient
 from gateway.server.search.service import SearchService
 from gateway.server.settings import GatewaySettings
+from gateway.server.tenants.config import TenantStore
+from gateway.server.tenants.keys import KeyStore
+from gateway.server.tenants.quotas import Quotas
+from gateway.server.tenants.usage import UsageLedger
+
+if TYPE_CHECKING:  # these modules use Services themselves
+    from gateway.server.openai.batch_runner import BatchRunner
+    from gateway.server.openai.batches import BatchStore
+    from gateway.server.openai.files import FileStore
 
 
 @dataclass
@@ -35,6 +45,13 @@ class Services:
     search: SearchService
     binders: BinderClient
     metrics: GatewayMetrics
+    keys: KeyStore
+    tenants: TenantStore
+    quotas: Quotas
+    usage: UsageLedger
+    files: FileStore
+    batches: BatchStore
+    batch_runner: BatchRunner = field(init=False)  # needs the Services it belongs to
 
 
 def services(request: Request) -> Services:

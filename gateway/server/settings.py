@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -33,6 +34,33 @@ class GatewaySettings(ServiceSettings):
     idempotency_ttl_s: int = Field(default=24 * 3600, gt=0)
     sse_ping_s: float = Field(default=15.0, gt=0)
 
+    # -- Files and batches (OpenAI's Files and Batch APIs) -----------------------------
+    # An uploaded file (POST /v1/files; the only route allowed a body this large).
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
+    batch_max_lines: int = Field(default=50_000, ge=1)
+    # Lines of one batch queued or running at once: the rest wait in MongoDB, so a large
+    # batch neither fills the backlog nor waits out its requests' deadlines in the queue.
+    batch_window: int = Field(default=256, ge=1)
+    # A gateway drives a batch while it holds its lease; a lease not renewed (the gateway
+    # died) lets another gateway take the batch over.
+    batch_lease_s: float = Field(default=15.0, gt=0)
+    batch_poll_s: float = Field(default=0.5, gt=0)
+    batch_concurrency: int = Field(default=4, ge=1)
+
+    # -- Tenants --------------------------------------------------------------------------
+    # Every call but /healthz and /readyz needs `Authorization: Bearer <API key>`.
+    auth_enabled: bool = True
+    public_metrics: bool = True
+    public_docs: bool = True
+    key_cache_s: float = Field(default=10.0, ge=0)
+    # Limits of a tenant that has no `tenants` document of its own (0: no limit).
+    tenant_requests_per_minute: int = Field(default=0, ge=0)
+    tenant_tokens_per_minute: int = Field(default=0, ge=0)
+    tenant_max_concurrent: int = Field(default=0, ge=0)
+    tenant_max_queued: int = Field(default=0, ge=0)
+    # Label per-tenant metrics with the tenant (switch off when tenants are many).
+    metrics_tenant_label: bool = True
+
     # -- Admission ---------------------------------------------------------------------
     # Queued (not yet started) requests, and their payload bytes, beyond which
     # POST /infer answers 429.
@@ -45,6 +73,34 @@ class GatewaySettings(ServiceSettings):
     probe_timeout_s: float = Field(default=2.0, gt=0)
     # A request that fails on a replica is tried again (elsewhere if possible) this often.
     max_retries: int = Field(default=3, ge=0)
+    # DNS discovery (Kubernetes: a headless Service, e.g. "triton-headless" or
+    # "triton-headless.<ns>.svc.cluster.local"): every address of this name is a replica's
+    # gRPC endpoint at TRITON_DNS_PORT, re-resolved every DISCOVERY_INTERVAL_S. Empty: the
+    # static TRITON_GRPC_URLS are used.
+    triton_dns_name: str = ""
+    triton_dns_port: int = Field(default=8001, ge=1, le=65535)
+    discovery_interval_s: float = Field(default=5.0, gt=0)
+    # Test hook: read the addresses of TRITON_DNS_NAME from this file (one host[:port] a
+    # line) instead of DNS.
+    discovery_test_hosts_file: Path | None = None
+
+    # -- Routing ------------------------------------------------------------------------------
+    # LLMs: cache_aware (prefix blocks against load), least_outstanding or round_robin.
+    llm_routing: Literal["cache_aware", "least_outstanding", "round_robin"] = "cache_aware"
+    # Weight of a block to prefill against a block in use (Dynamo's overlap weight).
+    route_prefill_weight: float = Field(default=1.0, ge=0)
+    # ... and of a KV block of a running request (see gateway.server.routing.router).
+    route_decode_weight: float = Field(default=0.25, ge=0)
+    # Load imbalance beyond which the least loaded replica is chosen (requests, ratio).
+    route_balance_abs: float = Field(default=8.0, ge=0)
+    route_balance_rel: float = Field(default=1.5, ge=1)
+    # How long a prefix sent to a replica is assumed to stay in its KV cache.
+    prefix_ttl_s: float = Field(default=600.0, gt=0)
+    # Replica metrics (engine load, KV cache): scraped this often, from these URLs (one
+    # per TRITON_GRPC_URLS entry), else http://<replica host>:TRITON_METRICS_PORT/metrics.
+    load_scrape_s: float = Field(default=0.25, gt=0)
+    triton_metrics_urls: CommaList = []
+    triton_metrics_port: int = Field(default=8002, ge=1, le=65535)
 
     # -- Dispatcher ---------------------------------------------------------------------------
     # Requests read ahead of free slots and held locally (per model).

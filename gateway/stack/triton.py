@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.stack.process import LaunchError, ServiceSpec
+from gateway.stack.process import TRITON_SHM_PREFIX, LaunchError, ServiceSpec, make_private_tree, new_owner
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class TritonInstall:
                 shutil.rmtree(target)
             shutil.copytree(self.backends_src, target)
             shutil.copy2(self.stub, python_dir / "triton_python_backend_stub")
+            make_private_tree(target)
         return target
 
     def environment(self) -> dict[str, str]:
@@ -90,6 +91,10 @@ def triton_spec(
     extra_env: dict[str, str] | None = None,
 ) -> ServiceSpec:
     install = TritonInstall.find()
+    # Its python backend's shared-memory regions carry this Triton's owner token, so the
+    # launcher removes exactly them once the Triton and its stubs are gone.
+    owner = new_owner()
+    shm_prefix = f"{TRITON_SHM_PREFIX}{owner}_"
     argv = [
         str(install.server_bin),
         f"--model-repository={model_repo}",
@@ -103,7 +108,9 @@ def triton_spec(
         f"--metrics-port={metrics_port}",
         "--allow-cpu-metrics=false",
         "--allow-gpu-metrics=false",
-        "--exit-timeout-secs=10",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        # How long Triton waits for running requests on SIGTERM; the launcher's grace ends it anyway.
+        "--exit-timeout-secs=3",
         "--log-verbose=0",
     ]
     return ServiceSpec(
@@ -114,6 +121,8 @@ def triton_spec(
         env={**install.environment(), **(extra_env or {})},
         ready=lambda: triton_models_ready(f"http://{host}:{http_port}"),
         url=f"grpc://{host}:{grpc_port}  http://{host}:{http_port}  metrics http://{host}:{metrics_port}/metrics",
+        owner=owner,
+        shm_prefix=shm_prefix,
     )
 
 

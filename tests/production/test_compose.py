@@ -145,3 +145,9 @@ def test_nginx_mounts_the_repository_config() -> None:
     nginx = _committed()["services"]["nginx"]
     source = nginx["volumes"][0].split(":")[0]
     assert (COMPOSE_FILE.parent / source).resolve() == (COMPOSE_FILE.parent.parent / "nginx" / "nginx.conf")
+
+
+def test_triton_grpc_is_not_published_unless_asked() -> None:
+    assert _committed()["services"]["nginx"]["ports"] == ["${NGINX_HTTP_PORT:-80}:80"]
+    published = generate(Deployment(gpus=("0",), publish_triton_grpc=True))
+    assert "${NGINX_GRPC_PORT:-8001}:8001" in published["services"]["nginx"]["ports"]

@@ -267,3 +267,11 @@ def test_engine_with_a_missing_rank_file_is_refused(tmp_path: Path) -> None:
 def test_named_engine_dir_without_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ToolError, match=r"no config\.json"):
         _render_against(tmp_path, tmp_path)
+
+
+def test_the_local_engine_has_the_inputs_and_outputs_of_tensorrt_llm(rendered: dict[str, Path]) -> None:
+    trtllm = parse_config(rendered["trtllm"] / "trtllm_tensorrt_llm" / "config.pbtxt")
+    for name in ("llm_engine", "llm_synthetic", "llm_echo"):
+        local = parse_config(MODEL_REPO / "local" / name / "config.pbtxt")
+        assert _io(local) == _io(trtllm), name
+        assert local.model_transaction_policy.decoupled is True

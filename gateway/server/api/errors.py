@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pymongo.errors import PyMongoError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -109,14 +109,15 @@ def install_error_handlers(
 
     @app.exception_handler(RedisError)
     async def redis_down(request: Request, exc: RedisError) -> JSONResponse:
+        retry = {"Retry-After": str(retry_after_s)}
+        if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+            # Redis runs with maxmemory-policy noeviction: accepted work is never evicted,
+            # new work is refused until the backlog drains.
+            log.warning("Redis is full (maxmemory) on %s %s", request.method, request.url.path)
+            return reject(request, 503, "redis_full", "the request store is full; try again shortly", headers=retry)
         log.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
-        return reject(
-            request,
-            503,
-            "redis_unavailable",
-            "the request store (Redis) is not answering; try again",
-            headers={"Retry-After": str(retry_after_s)},
-        )
+        message = "the request store (Redis) is not answering; try again"
+        return reject(request, 503, "redis_unavailable", message, headers=retry)
 
     @app.exception_handler(PyMongoError)
     async def mongo_down(request: Request, exc: PyMongoError) -> JSONResponse:

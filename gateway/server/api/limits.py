@@ -22,24 +22,33 @@ class BodyRefused(HTTPException):
 
 
 class RequestLimitsMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        body_timeout_s: float,
+        uploads: dict[str, tuple[int, float]] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
+        # Paths that take larger bodies (file uploads): path -> (max bytes, body timeout).
+        self.uploads = uploads or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, body_timeout_s = self.uploads.get(scope["path"], (self.max_bytes, self.body_timeout_s))
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, _TOO_LARGE, "payload_too_large", f"request body is over {self.max_bytes} bytes")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._refuse(send, _TOO_LARGE, "payload_too_large", f"request body is over {max_bytes} bytes")
             return
         received = 0
         body_done = False
         response_started = False
         loop = asyncio.get_running_loop()
-        body_deadline = loop.time() + self.body_timeout_s
+        body_deadline = loop.time() + body_timeout_s
 
         async def limited_receive() -> Message:
             nonlocal received, body_done
@@ -49,13 +58,11 @@ class RequestLimitsMiddleware:
                 async with asyncio.timeout_at(body_deadline):
                     message = await receive()
             except TimeoutError:
-                raise BodyRefused(
-                    _TIMEOUT, f"the request body did not arrive within {self.body_timeout_s:g}s"
-                ) from None
+                raise BodyRefused(_TIMEOUT, f"the request body did not arrive within {body_timeout_s:g}s") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyRefused(_TOO_LARGE, f"request body is over {self.max_bytes} bytes")
+                if received > max_bytes:
+                    raise BodyRefused(_TOO_LARGE, f"request body is over {max_bytes} bytes")
                 body_done = not message.get("more_body", False)
             else:
                 body_done = True

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.server.api.errors import ApiError
+from gateway.server.api.tenancy import Caller, caller
 from gateway.server.services import services
 
 router = APIRouter()
@@ -46,11 +47,13 @@ async def readyz(request: Request) -> Any:
 
 
 @router.get("/models", summary="The models this gateway serves")
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
     svc = services(request)
     return {"models": [adapter.describe() for _, adapter in sorted(svc.registry.adapters.items())]}
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics (public unless PUBLIC_METRICS=false)")
 async def metrics(request: Request) -> Response:
+    if not services(request).settings.public_metrics:
+        await caller(request)
     return Response(generate_latest(services(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -12,11 +12,13 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
+from gateway.common.logs import bind_request_ids
 from gateway.protocol import ResultRecord, State, new_request_id
 from gateway.protocol.http import Accepted, InferRequest, LiveStatus, result_urls
 from gateway.protocol.redis_keys import band_for, queue_stream
 from gateway.server.api.errors import ApiError
 from gateway.server.api.events import SSE_HEADERS, sse_events
+from gateway.server.api.request_id import current_trace_id
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.models import InvalidInput
 from gateway.server.results.reader import is_final
@@ -123,6 +125,9 @@ async def submit(
     timeout_s = body.timeout_s or settings.default_timeout_s
     if timeout_s > settings.max_timeout_s:
         raise ApiError(422, "timeout_too_long", f"timeout_s may be at most {settings.max_timeout_s:g}")
+    # Rate limits (the prompt's tokens count against tokens per minute up front).
+    estimate = len(getattr(prepared, "prompt_ids", ())) or 1
+    who.headers |= await svc.quotas.admit(who.config, estimate)
     now = time.time()
     request_id = new_request_id(now)
     payload = {
@@ -133,6 +138,8 @@ async def submit(
         "inputs_stored": adapter.stored_inputs(prepared),
         "priority": body.priority,
         "metadata": body.metadata,
+        # The submitting call's X-Request-ID: the dispatcher and the binder log under it.
+        "trace_id": current_trace_id(),
         **(extra_payload or {}),
     }
     band = band_for(body.priority, batch=batch)
@@ -151,6 +158,7 @@ async def submit(
         max_backlog_bytes=settings.max_backlog_bytes,
         tenant_max_queued=who.max_queued,
         idempotency=idempotency,
+        start_as=svc.dispatcher.can_start_now(body.model, who.tenant),
     )
     if submitted.outcome == "full":
         what = {
@@ -167,9 +175,23 @@ async def submit(
     if submitted.outcome == "existing":
         if idempotency is None or submitted.body_hash != idempotency[1]:
             raise ApiError(422, "idempotency_key_reused", "this Idempotency-Key was used with a different request body")
+        bind_request_ids(trace_id=current_trace_id(), request_id=submitted.request_id)
         return Submission(submitted.request_id or "", existing=True)
+    bind_request_ids(trace_id=current_trace_id(), request_id=request_id)  # for the call's access line
     svc.metrics.accepted.labels(body.model).inc()
-    svc.dispatcher.notice(stream)
+    if submitted.outcome == "started":
+        svc.dispatcher.adopt(
+            request_id=request_id,
+            stream=stream,
+            entry=submitted.entry,
+            model=body.model,
+            tenant=who.tenant,
+            payload=payload,
+            created_at=now,
+            deadline=now + timeout_s,
+        )
+    else:
+        svc.dispatcher.notice(stream)
     return Submission(request_id, existing=False)
 
 

@@ -14,18 +14,21 @@ from the queues (one consumer group for all gateways), run them, and finish them
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
 
+from gateway.common.logs import bind_request_ids
 from gateway.common.retry import LoopHealth, supervise
 from gateway.common.streams import Entry, StreamConsumer
 from gateway.protocol import ErrorInfo, ResultRecord, State
-from gateway.protocol.redis_keys import BANDS, CANCEL_CHANNEL
+from gateway.protocol.redis_keys import BANDS, CANCEL_CHANNEL, parse_queue_stream
 from gateway.server.dispatch.emitter import StaleRun
 from gateway.server.dispatch.runner import RunControl, Runner
 from gateway.server.dispatch.scheduler import LocalQueue, QueueRegistry
@@ -35,10 +38,13 @@ from gateway.server.queue.jobs import Job, JobStore
 from gateway.server.replicas import ReplicaPool
 from gateway.server.results.notifier import CompletionNotifier
 from gateway.server.settings import GatewaySettings
+from gateway.server.tenants.config import TenantConfig, TenantStore
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 200
+# A tenant counts as active (and is kept a free slot) this long after its last request.
+FAIR_WINDOW_S = 5.0
 
 
 @dataclass
@@ -62,7 +68,10 @@ class Dispatcher:
     settings: GatewaySettings
     metrics: GatewayMetrics
     notifier: CompletionNotifier
-    weight: Any = None  # tenant -> weight (fair scheduling); 1.0 each by default
+    # Tenants' weights (fair scheduling) and concurrency limits; defaults without it.
+    tenants: TenantStore | None = None
+    # Called (in the background) with every record this process finishes.
+    finished_hooks: list[Callable[[ResultRecord], Awaitable[None]]] = field(default_factory=list)
     running: dict[str, Running] = field(default_factory=dict)
     health: dict[str, LoopHealth] = field(default_factory=dict)
     _loops: list[asyncio.Task[None]] = field(default_factory=list)
@@ -70,7 +79,12 @@ class Dispatcher:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.local = LocalQueue(self.weight or (lambda tenant: 1.0))
+        self.local = LocalQueue(self._share)
+        # Requests running per tenant, all gateways (refreshed by the read loop) plus
+        # what this process started since.
+        self._tenant_running: dict[str, int] = {}
+        self._seen: dict[str, float] = {}  # tenant -> when this process last saw its work
+        self._side: set[asyncio.Task[None]] = set()
         self.queues = QueueRegistry(self.redis, window_s=self.settings.max_timeout_s + 120)
 
     async def start(self) -> None:
@@ -124,6 +138,55 @@ class Dispatcher:
 
     # -- taking work -------------------------------------------------------------------
 
+    def can_start_now(self, model: str, tenant: str) -> str:
+        """This process's consumer name if a request of `model` for `tenant` can start here
+        at once (a free slot, nothing of the model buffered here, the tenant's share
+        allows it), for SUBMIT to start it in the same round trip; else ""."""
+        if (
+            not self._accepting
+            or model not in self.registry
+            or self.local.count(model)
+            or self._room(model) <= 0
+            or not self._may_start(model, tenant)
+        ):
+            return ""
+        return self.consumer.consumer
+
+    def adopt(
+        self,
+        *,
+        request_id: str,
+        stream: str,
+        entry: str,
+        model: str,
+        tenant: str,
+        payload: dict[str, Any],
+        created_at: float,
+        deadline: float,
+    ) -> None:
+        """Run a request SUBMIT started for this process (attempt 1, already running)."""
+        now = time.time()
+        job = Job(
+            request_id=request_id,
+            model=model,
+            tenant=tenant,
+            state=State.RUNNING,
+            payload=payload,
+            created_at=created_at,
+            deadline=deadline,
+            started_at=now,
+            attempts=1,
+            emitted=0,
+            cancel_requested=False,
+            stored=False,
+            stream=stream,
+            entry=entry,
+        )
+        self.queues.add(stream)
+        self._seen[tenant] = time.monotonic()
+        self._tenant_running[tenant] = self._tenant_running.get(tenant, 0) + 1
+        self._spawn(Entry(stream, entry, {"id": request_id}), model, job)
+
     def notice(self, stream: str) -> None:
         """A request was just queued on `stream` by this process: read it without waiting
         for the next look at the queue registry."""
@@ -138,25 +201,71 @@ class Dispatcher:
         waiting = sum(1 for r in self.running.values() if r.model == model and not r.acquired)
         return self._free(model) - waiting
 
+    def _config(self, tenant: str) -> TenantConfig | None:
+        if self.tenants is None:
+            return None
+        config = self.tenants.cached(tenant)
+        if config is None:  # learn it for next time; until then, the defaults
+            self._background(self._learn(tenant))
+        return config
+
+    async def _learn(self, tenant: str) -> None:
+        if self.tenants is not None:
+            await self.tenants.get(tenant)
+
+    def _share(self, tenant: str) -> float:
+        """The tenant's running requests (all gateways) per unit of its weight."""
+        config = self._config(tenant)
+        return self._tenant_running.get(tenant, 0) / (config.weight if config else 1.0)
+
+    def _may_start(self, model: str, tenant: str) -> bool:
+        """Below its concurrency limit, and leaving headroom: one free slot for each other
+        tenant active lately with nothing waiting here, so a light tenant's next request
+        starts at once instead of queueing behind a heavy one. (Work-conserving but for
+        that slot: a tenant alone gets everything.)"""
+        config = self._config(tenant)
+        limit = config.limits.max_concurrent if config else 0
+        if limit and self._tenant_running.get(tenant, 0) >= limit:
+            return False
+        now = time.monotonic()
+        idle_others = sum(
+            1
+            for other, seen in self._seen.items()
+            if other != tenant and now - seen < FAIR_WINDOW_S and not self.local.waiting(model, other)
+        )
+        return self._room(model) > idle_others
+
+    def _saw(self, entry: Entry) -> None:
+        self._seen[parse_queue_stream(entry.stream)[2]] = time.monotonic()
+
+    def _background(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
+
     def _pump(self) -> None:
         """Start buffered requests while their models have room."""
         if not self._accepting:
             return
         for model in self.local.models():
-            while self._room(model) > 0 and (entry := self.local.pop(model)) is not None:
+            allowed = functools.partial(self._may_start, model)
+            while self._room(model) > 0 and (entry := self.local.pop(model, allowed)) is not None:
+                tenant = parse_queue_stream(entry.stream)[2]
+                self._tenant_running[tenant] = self._tenant_running.get(tenant, 0) + 1
                 self._spawn(entry, model)
 
-    def _spawn(self, entry: Entry, model: str) -> None:
+    def _spawn(self, entry: Entry, model: str, job: Job | None = None) -> None:
         request_id = entry.fields.get("id", "")
         if not request_id or request_id in self.running:
             return
         running = Running(entry=entry, model=model)
         self.running[request_id] = running
-        running.task = asyncio.create_task(self._handle(request_id, running), name=f"request-{request_id}")
+        running.task = asyncio.create_task(self._handle(request_id, running, job), name=f"request-{request_id}")
 
     async def _read_loop(self) -> None:
         while self._accepting:
             await self.queues.refresh()
+            self._tenant_running = await self.jobs.running()
             self._pump()
             plan = self._read_plan()
             if not plan:
@@ -173,39 +282,42 @@ class Dispatcher:
                 got = await self.consumer.read(everything, block_ms=READ_BLOCK_MS, reader=self.blocking)
                 for entry in got:
                     self.local.push(entry)
+                    self._saw(entry)
             self._pump()
 
     def _read_plan(self) -> dict[str, dict[str, dict[str, int]]]:
-        """model -> band -> {stream: count}: what to read, for models with room."""
+        """model -> band -> {stream: count}: what to read, for models with room. The
+        buffer is filled up to `dispatch_buffer` ahead, and beyond that every tenant with
+        nothing buffered still gets one entry read, so a light tenant's request is here
+        to start the moment a slot frees, however much a heavy one has buffered."""
         plan: dict[str, dict[str, dict[str, int]]] = {}
         for model in self.queues.streams:
-            if model not in self.registry:
+            if model not in self.registry or self._free(model) <= 0:
                 continue
             need = self._room(model) + self.settings.dispatch_buffer - self.local.count(model)
-            if need <= 0 or self._free(model) <= 0:
-                continue
             bands = {}
             for band in BANDS:
                 streams = self.queues.of(model, band)
-                if streams:
-                    per = max(1, math.ceil(need / len(streams)))
-                    bands[band] = {s: per for s in streams}
+                per = max(1, math.ceil(need / len(streams))) if streams and need > 0 else 0
+                counts = {s: per or (0 if self.local.waiting(model, parse_queue_stream(s)[2]) else 1) for s in streams}
+                counts = {s: c for s, c in counts.items() if c}
+                if counts:
+                    bands[band] = counts
             if bands:
                 plan[model] = bands
         return plan
 
     async def _read(self, plan: dict[str, dict[str, dict[str, int]]]) -> list[Entry]:
-        """Read band by band (higher first) until each model has what it needs."""
+        """Read band by band (higher first)."""
         got: list[Entry] = []
-        for model, bands in plan.items():
-            need = self._room(model) + self.settings.dispatch_buffer - self.local.count(model)
+        for bands in plan.values():
             for band in BANDS:
-                if need <= 0 or band not in bands:
+                if band not in bands:
                     continue
                 entries = await self.consumer.read(bands[band], block_ms=None)
                 for entry in entries:
                     self.local.push(entry)
-                need -= len(entries)
+                    self._saw(entry)
                 got.extend(entries)
         return got
 
@@ -280,13 +392,16 @@ class Dispatcher:
 
     # -- running one request -----------------------------------------------------------
 
-    async def _handle(self, request_id: str, running: Running) -> None:
+    async def _handle(self, request_id: str, running: Running, started: Job | None = None) -> None:
         entry = running.entry
+        # This task's log context is a copy of its spawner's (maybe another request's run).
+        bind_request_ids(trace_id=None, request_id=request_id)
         try:
-            job = await self.jobs.start(request_id, self.consumer.consumer, entry.id)
+            job = started or await self.jobs.start(request_id, self.consumer.consumer, entry.id)
             if job is None:  # unknown, or ended already (cancel, expiry, or a first run)
                 await self.consumer.ack(entry.stream, entry.id)
                 return
+            bind_request_ids(trace_id=job.payload.get("trace_id"), request_id=request_id)
             control = running.control = RunControl(request_id=request_id, attempt=job.attempts)
             control.cancel_requested = job.cancel_requested
             self.metrics.queue_wait.labels(job.model).observe(max(0.0, time.time() - job.created_at))
@@ -297,6 +412,13 @@ class Dispatcher:
             if data is not None:
                 self.notifier.deliver(request_id, data)
                 self.count(record)
+                log.info(
+                    "request %s: %s on %s, %.0f ms after submission",
+                    request_id,
+                    record.status.value,
+                    record.replica or "no replica",
+                    record.timings.total_ms or 0,
+                )
         except StaleRun:
             log.warning(
                 "request %s: run %s found itself stale; the newer run finishes it", request_id, running.entry.id
@@ -354,11 +476,20 @@ class Dispatcher:
         return record.outputs if record.status == State.SUCCEEDED and not streamed else None
 
     def count(self, record: ResultRecord) -> None:
+        for hook in self.finished_hooks:
+            self._background(self._run_hook(hook, record))
         self.metrics.finished.labels(record.model, record.status.value).inc()
         if record.timings.total_ms is not None:
             self.metrics.latency.labels(record.model).observe(record.timings.total_ms / 1000)
         if record.timings.ttft_ms is not None:
             self.metrics.ttft.labels(record.model).observe(record.timings.ttft_ms / 1000)
+
+    @staticmethod
+    async def _run_hook(hook: Callable[[ResultRecord], Awaitable[None]], record: ResultRecord) -> None:
+        try:
+            await hook(record)
+        except Exception as exc:  # usage accounting must not break finishing
+            log.warning("after %s finished: %s: %s", record.request_id, type(exc).__name__, exc)
 
     def buffered(self) -> int:
         return len(self.local.entries())

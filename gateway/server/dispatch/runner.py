@@ -27,12 +27,10 @@ from gateway.server.models import InvalidInput, ModelAdapter, ModelRegistry, Run
 from gateway.server.models.base import Resume, tensor
 from gateway.server.queue.jobs import Job, JobStore
 from gateway.server.replicas import Replica, ReplicaPool
+from gateway.server.routing.router import Router
 from gateway.server.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
-
-# Chooses a replica for a request among the candidates, and says why.
-Chooser = Callable[[list[Replica]], Replica]
 
 
 @dataclass
@@ -67,15 +65,15 @@ class Runner:
         jobs: JobStore,
         settings: GatewaySettings,
         background: Callable[[Any], None],
-        choosers: dict[str, Callable[[Job, Any], tuple[Chooser, Callable[[], Route | None]]]] | None = None,
+        router: Router | None = None,
     ) -> None:
         self.registry = registry
         self.pool = pool
         self.jobs = jobs
         self.settings = settings
         self.background = background
-        # Per-model replica choice (the cache-aware router for LLMs); least-outstanding otherwise.
-        self.choosers = choosers or {}
+        # The replica choice (cache-aware for LLMs); least-outstanding without one.
+        self.router = router
 
     async def run(self, job: Job, control: RunControl) -> ResultRecord:
         try:
@@ -203,17 +201,18 @@ class Runner:
         failures: list[Failure],
         resume: Resume | None,
     ) -> None:
-        choose, route = self.choosers[job.model](job, prepared) if job.model in self.choosers else (None, None)
+        plan = await self.router.plan(adapter, prepared) if self.router is not None else None
         replica = await self.pool.acquire(
-            adapter.triton_model, job.deadline - time.time(), exclude=frozenset(tried), choose=choose
+            adapter.triton_model,
+            job.deadline - time.time(),
+            exclude=frozenset(tried),
+            choose=plan.choose if plan else None,
         )
         if control.on_acquired is not None:
             control.on_acquired()
         control.replica = replica.url
-        control.route = (
-            route()
-            if route
-            else Route(replica=replica.url, policy="least_outstanding", reason="load", load=float(replica.inflight))
+        control.route = (plan.route() if plan else None) or Route(
+            replica=replica.url, policy="least_outstanding", reason="load", load=float(replica.inflight)
         )
         run = adapter.new_run(prepared, resume)
         previous, control.run = control.run, run
@@ -235,6 +234,8 @@ class Runner:
                 await emitter.close()  # what arrived before the failure is kept
             raise failure from exc
         finally:
+            if plan is not None:
+                plan.release()
             await self.pool.release(replica)
 
     async def _call(
@@ -298,6 +299,9 @@ class Runner:
             control.abort = None
         if control.cancel_requested:
             return
+        rest = run.flush()
+        if rest and emitter is not None:
+            await emitter.add(rest)
 
     @staticmethod
     def _first(control: RunControl) -> None:
@@ -309,7 +313,7 @@ class Runner:
         cancellation on to a running step)."""
         request = {
             "model_name": model,
-            "inputs": [tensor("stop", np.array([[True]]), "BOOL")],
+            "inputs": stop_inputs(),
             "request_id": request_id,
         }
         try:
@@ -318,6 +322,16 @@ class Runner:
                     pass
         except Exception as exc:
             log.warning("stop for %s on %s failed: %s", request_id, replica.url, exc)
+
+
+def stop_inputs() -> list[Any]:
+    """TensorRT-LLM's stop request: `stop` set, and the required inputs as placeholders."""
+    return [
+        tensor("input_ids", np.array([[0]], dtype=np.int32), "INT32"),
+        tensor("input_lengths", np.array([[1]], dtype=np.int32), "INT32"),
+        tensor("request_output_len", np.array([[1]], dtype=np.int32), "INT32"),
+        tensor("stop", np.array([[True]]), "BOOL"),
+    ]
 
 
 async def _once(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -3,9 +3,10 @@
 Queues are streams per (model, band, tenant). A dispatcher reads a model's queues only
 while its replicas have room for that model, keeps a few entries ahead in a local
 buffer, and starts them in order: requests reclaimed from dead dispatchers first, then
-bands in order (high, normal, low, batch), and within a band tenants by weighted
-deficit round robin, so a tenant that floods its queue gets what others leave unused
-but cannot delay them."""
+bands in order (high, normal, low, batch), and within a band the tenant with the
+smallest weighted share of the running work (weighted fair sharing of the replicas'
+slots), so a tenant that floods its queue gets what others leave unused but cannot
+delay them."""
 
 from __future__ import annotations
 
@@ -23,35 +24,28 @@ from gateway.protocol.redis_keys import BANDS, QUEUE_REGISTRY, parse_queue_strea
 @dataclass
 class _Band:
     tenants: dict[str, deque[Entry]] = field(default_factory=dict)
-    deficit: dict[str, float] = field(default_factory=dict)
-    order: deque[str] = field(default_factory=deque)
+    order: deque[str] = field(default_factory=deque)  # round-robin order, for ties
 
     def push(self, tenant: str, entry: Entry) -> None:
         if tenant not in self.tenants:
             self.tenants[tenant] = deque()
-            self.deficit.setdefault(tenant, 0.0)
             self.order.append(tenant)
         self.tenants[tenant].append(entry)
 
-    def pop(self, weight: Callable[[str], float]) -> Entry | None:
-        """Deficit round robin: each visit gives a tenant its weight in credit; a request
-        costs one credit. A tenant with nothing queued leaves the round (and its credit)."""
-        for _ in range(len(self.order) * 64 + 1):
-            if not self.order:
-                return None
-            tenant = self.order[0]
-            queue = self.tenants[tenant]
-            if not queue:
-                self.order.popleft()
-                del self.tenants[tenant]
-                self.deficit.pop(tenant, None)
-                continue
-            if self.deficit[tenant] >= 1.0:
-                self.deficit[tenant] -= 1.0
-                return queue.popleft()
-            self.deficit[tenant] += max(weight(tenant), 0.01)
-            self.order.rotate(-1)
-        return None
+    def pop(self, share: Callable[[str], float], allowed: Callable[[str], bool]) -> Entry | None:
+        """The next request of the waiting tenant with the smallest share of the running
+        work (running requests / weight), ties in round-robin order; a tenant at its
+        concurrency limit is passed over for now. A tenant with nothing queued leaves."""
+        for tenant in [t for t in self.order if not self.tenants[t]]:
+            self.order.remove(tenant)
+            del self.tenants[tenant]
+        candidates = [t for t in self.order if allowed(t)]
+        if not candidates:
+            return None
+        tenant = min(candidates, key=share)  # min() keeps the first of equals: round robin
+        self.order.remove(tenant)
+        self.order.append(tenant)
+        return self.tenants[tenant].popleft()
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.tenants.values())
@@ -60,8 +54,8 @@ class _Band:
 class LocalQueue:
     """Entries this dispatcher has read (or reclaimed) but not started, per model."""
 
-    def __init__(self, weight: Callable[[str], float]) -> None:
-        self.weight = weight
+    def __init__(self, share: Callable[[str], float]) -> None:
+        self.share = share  # tenant -> running requests / weight
         self.reclaimed: dict[str, deque[Entry]] = {}
         self.bands: dict[str, dict[str, _Band]] = {}
 
@@ -72,15 +66,19 @@ class LocalQueue:
         else:
             self.bands.setdefault(model, {}).setdefault(band, _Band()).push(tenant, entry)
 
-    def pop(self, model: str) -> Entry | None:
+    def pop(self, model: str, allowed: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
         reclaimed = self.reclaimed.get(model)
         if reclaimed:
             return reclaimed.popleft()
         bands = self.bands.get(model, {})
         for band in BANDS:
-            if band in bands and (entry := bands[band].pop(self.weight)) is not None:
+            if band in bands and (entry := bands[band].pop(self.share, allowed)) is not None:
                 return entry
         return None
+
+    def waiting(self, model: str, tenant: str) -> bool:
+        """Whether the tenant has work waiting here for this model."""
+        return any(band.tenants.get(tenant) for band in self.bands.get(model, {}).values())
 
     def count(self, model: str) -> int:
         return len(self.reclaimed.get(model, ())) + sum(len(b) for b in self.bands.get(model, {}).values())

@@ -55,6 +55,11 @@ class Run:
         """A response from Triton; returns the pieces of text to emit (if any)."""
         raise NotImplementedError
 
+    def flush(self) -> list[Piece]:
+        """Pieces held back until the end (an unfinished character), once the last
+        response has arrived."""
+        return []
+
     def final(self) -> tuple[dict[str, Any], Usage | None]:
         """The outputs (and token usage) once the last response has arrived; also what
         was produced so far, for a run that was cut short."""

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import IndexRef, Usage
 from gateway.server.models.base import ModelAdapter, Resume, Run, bytes_tensor, check
 from gateway.server.models.inputs import ImageInputs, NoParameters, TextInputs
+
+
+def _load_tokenizer(directory: str | None) -> Tokenizer | None:
+    path = Path(directory) / "tokenizer.json" if directory else None
+    if path is None or not path.exists():
+        return None
+    return Tokenizer.from_file(str(path))
 
 
 class EmbeddingRun(Run):
@@ -32,7 +41,9 @@ class EmbeddingRun(Run):
         return []
 
     def final(self) -> tuple[dict[str, Any], Usage | None]:
-        return ({self.adapter.output_name: self.vector} if self.vector is not None else {}), None
+        outputs = {self.adapter.output_name: self.vector} if self.vector is not None else {}
+        tokens = self.adapter.count_tokens(self.prepared)
+        return outputs, Usage(prompt_tokens=tokens) if tokens is not None else None
 
 
 class EmbeddingAdapter(ModelAdapter):
@@ -47,8 +58,11 @@ class EmbeddingAdapter(ModelAdapter):
         output_name: str,
         space: str | None,
         dimensions: int | None = None,
+        tokenizer_dir: str | None = None,
     ) -> None:
         super().__init__(name, triton_model)
+        # The model's tokenizer, where one is configured, only to count usage.
+        self.tokenizer = _load_tokenizer(tokenizer_dir)
         self.input_kind = input_kind  # "text" or "image"
         self.input_name = "image" if input_kind == "image" else "text"
         self.output_name = output_name
@@ -69,6 +83,11 @@ class EmbeddingAdapter(ModelAdapter):
 
     def new_run(self, prepared: TextInputs | ImageInputs, resume: Resume | None = None) -> Run:
         return EmbeddingRun(self, prepared)
+
+    def count_tokens(self, prepared: TextInputs | ImageInputs) -> int | None:
+        if self.tokenizer is None or not isinstance(prepared, TextInputs):
+            return None
+        return len(self.tokenizer.encode(prepared.text).ids)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "input": self.input_kind, "space": self.space, "dimensions": self.dimensions}

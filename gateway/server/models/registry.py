@@ -13,8 +13,9 @@ its Triton name, kind, inputs, embedding space, and how a running request is sto
     [[model]]
     name = "llm"
     kind = "llm"
-    mode = "ensemble"           # llm: engine (token ids, the gateway tokenizes) | ensemble (text)
-    stop_model = "llm_generator"
+    mode = "engine"             # llm: engine (token ids, the gateway tokenizes) | ensemble (text)
+    triton_model = "llm_engine"
+    tokenizer = "$LLM_MODEL_DIR" # engine: the Hugging Face tokenizer directory Triton's preprocessing uses
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ class ModelSpec(BaseModel):
     # llm
     mode: Literal["engine", "ensemble"] = "ensemble"
     stop_model: str | None = None
-    tokenizer: str | None = None  # engine mode: a Hugging Face tokenizer directory ($VARS expanded)
+    # A Hugging Face tokenizer directory ($VARS expanded): the engine path tokenizes with it;
+    # embedding models use it only to count usage.
+    tokenizer: str | None = None
     max_input_tokens: int | None = None
+    context_length: int | None = None  # default: the model's own (config.json)
     max_output_tokens: int = 4096
     tokens_per_block: int = 32
 
@@ -58,10 +62,34 @@ class ModelSpec(BaseModel):
 
 
 LOCAL_PROFILE = [
-    ModelSpec(name="llm", kind="llm", mode="ensemble", stop_model="llm_generator"),
+    # The LLM on its engine, with the gateway's own tokens (the launcher sets LLM_MODEL_DIR).
+    ModelSpec(name="llm", kind="llm", mode="engine", triton_model="llm_engine", tokenizer="$LLM_MODEL_DIR"),
+    # The same engine through the text ensemble (tokenizing inside Triton), as clients of
+    # Triton's own API call it; a stop request ends a running one.
+    ModelSpec(name="llm_ensemble", kind="llm", mode="ensemble", triton_model="llm", stop_model="llm_engine"),
+    # Synthetic engines (no compute): a steady token stream for measuring the relay, and
+    # an echo of the prompt for checking detokenization of any text.
+    ModelSpec(name="llm_synthetic", kind="llm", mode="engine", tokenizer="$LLM_MODEL_DIR", context_length=8192),
+    ModelSpec(name="llm_echo", kind="llm", mode="engine", tokenizer="$LLM_MODEL_DIR", context_length=8192),
     ModelSpec(name="clip_image", kind="embedding", input="image", output="image_embeds", space="clip"),
-    ModelSpec(name="clip_text", kind="embedding", input="text", output="text_embeds", space="clip"),
-    ModelSpec(name="text_embed", kind="embedding", input="text", output="embedding", space="minilm", dimensions=384),
+    # (Their tokenizers only count usage; the launcher says where they are.)
+    ModelSpec(
+        name="clip_text",
+        kind="embedding",
+        input="text",
+        output="text_embeds",
+        space="clip",
+        tokenizer="$CLIP_MODEL_DIR",
+    ),
+    ModelSpec(
+        name="text_embed",
+        kind="embedding",
+        input="text",
+        output="embedding",
+        space="minilm",
+        dimensions=384,
+        tokenizer="$TEXT_EMBED_MODEL_DIR",
+    ),
 ]
 
 
@@ -82,6 +110,7 @@ def build_adapter(spec: ModelSpec) -> ModelAdapter:
             output_name=spec.output,
             space=spec.space,
             dimensions=spec.dimensions,
+            tokenizer_dir=os.path.expandvars(spec.tokenizer) if spec.tokenizer else None,
         )
     if spec.mode == "engine":
         from gateway.server.models.llm_engine import EngineLlmAdapter

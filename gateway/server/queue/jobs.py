@@ -33,11 +33,15 @@ from gateway.protocol.redis_keys import (
     DONE_CHANNEL,
     QUEUE_REGISTRY,
     RESULTS_STREAM,
+    RUNNING,
     events_key,
     idempotency_key,
     request_key,
 )
 from gateway.server.queue import scripts
+
+# The `running` event of a request started by SUBMIT itself (its first attempt).
+RUNNING_FIRST = json.dumps({"attempt": 1, "restarted": False, "resume_from": 0})
 
 
 def tokens_key(request_id: str) -> str:
@@ -46,11 +50,12 @@ def tokens_key(request_id: str) -> str:
 
 @dataclass(frozen=True)
 class Submitted:
-    outcome: str  # "accepted", "existing" (idempotent replay) or "full"
+    outcome: str  # "accepted", "started" (accepted and begun here), "existing" (idempotent replay) or "full"
     request_id: str | None = None
     body_hash: str | None = None
     reason: str = ""  # full: backlog, bytes or tenant
     count: int = 0
+    entry: str = ""  # accepted or started: its queue entry
 
 
 @dataclass
@@ -137,6 +142,7 @@ class Job:
             webhook=WebhookSpec.model_validate(webhook) if webhook else None,
             index=index if status == State.SUCCEEDED else None,
             metadata=self.payload.get("metadata") or {},
+            trace_id=self.payload.get("trace_id"),
         )
 
 
@@ -167,8 +173,11 @@ class JobStore:
         max_backlog_bytes: int,
         tenant_max_queued: int = 0,
         idempotency: tuple[str, str] | None = None,
+        start_as: str = "",
     ) -> Submitted:
-        """idempotency is (key, body hash): the same key returns the first request's id."""
+        """idempotency is (key, body hash): the same key returns the first request's id.
+        start_as: the consumer (this process's) to start the request at once, if nothing of
+        its model is queued (outcome "started", with its queue entry)."""
         idem_key = idempotency_key(tenant, idempotency[0]) if idempotency else ""
         idem_value = json.dumps({"id": request_id, "hash": idempotency[1]}) if idempotency else ""
         queued = json.dumps({"request_id": request_id, "model": model, "created_at": created_at})
@@ -181,6 +190,7 @@ class JobStore:
                 BACKLOG,
                 idem_key,
                 QUEUE_REGISTRY,
+                RUNNING,
             ],
             args=[
                 request_id,
@@ -198,6 +208,8 @@ class JobStore:
                 tenant_max_queued,
                 band,
                 DISPATCH_GROUP,
+                start_as,
+                RUNNING_FIRST,
             ],
         )
         outcome = reply[0]
@@ -206,7 +218,7 @@ class JobStore:
             return Submitted("existing", previous["id"], previous["hash"])
         if outcome == "full":
             return Submitted("full", reason=reply[1], count=int(reply[2] or 0))
-        return Submitted("accepted", request_id)
+        return Submitted(outcome, request_id, entry=reply[1])
 
     async def load(self, request_id: str) -> Job | None:
         h = await self.redis.hgetall(request_key(request_id))
@@ -223,7 +235,7 @@ class JobStore:
         """Mark the request running (again, if a dead dispatcher had it) under a new
         attempt. None when there is nothing to run: unknown, or already ended."""
         reply = await self._start(
-            keys=[request_key(request_id), events_key(request_id), BACKLOG, tokens_key(request_id)],
+            keys=[request_key(request_id), events_key(request_id), BACKLOG, tokens_key(request_id), RUNNING],
             args=[consumer, time.time(), entry],
         )
         if reply[0] != "run":
@@ -265,6 +277,7 @@ class JobStore:
                 DEADLINES,
                 BACKLOG,
                 tokens_key(record.request_id),
+                RUNNING,
             ],
             args=[
                 record.status.value,
@@ -297,6 +310,10 @@ class JobStore:
             job = await self.load(request_id)  # it started meanwhile: its dispatcher sees the flag
             return job.state if job else None
         return State(state)
+
+    async def running(self) -> dict[str, int]:
+        """Requests running now, per tenant (all gateways)."""
+        return {k: int(v) for k, v in (await self.redis.hgetall(RUNNING)).items()}
 
     async def backlog(self) -> dict[str, int]:
         return {k: int(v) for k, v in (await self.redis.hgetall(BACKLOG)).items()}

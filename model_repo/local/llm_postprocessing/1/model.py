@@ -1,7 +1,8 @@
-"""Detokenize a chunk of generated token ids.
+"""Detokenize a response of the engine: the first beam's tokens, up to its length.
 
-The generator only cuts chunks where the text so far decodes to whole characters, so
-the chunks' texts joined equal the decoded text of all the tokens."""
+Each response is detokenized on its own (as tensorrtllm_backend's postprocessing does),
+so a character whose bytes span two streamed responses arrives as U+FFFD; the gateway's
+engine path detokenizes incrementally and has no such gap."""
 
 import json
 import os
@@ -21,7 +22,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             ids = pb_utils.get_input_tensor_by_name(request, "output_ids").as_numpy()
-            texts = [self.tokenizer.decode(row.tolist(), skip_special_tokens=True, clean_up_tokenization_spaces=False) for row in ids]
+            lengths = pb_utils.get_input_tensor_by_name(request, "sequence_length").as_numpy()
+            texts = []
+            for row, length in zip(ids, lengths):
+                tokens = row[0][: int(length.reshape(-1)[0])].tolist()
+                texts.append(self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False))
             text = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]))
         return responses

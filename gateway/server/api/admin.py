@@ -1,0 +1,128 @@
+"""Keys, tenants and usage. Admin keys manage every tenant; any key reads its own
+tenant's usage (GET /usage)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.server.api.errors import ApiError
+from gateway.server.api.tenancy import Caller, admin, caller
+from gateway.server.routing.load import LoadTracker, ReplicaLoad
+from gateway.server.services import Services, services
+from gateway.server.tenants.config import TenantConfig, TenantLimits
+
+router = APIRouter(tags=["Tenants"])
+
+Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class NewKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: Tenant
+    role: Literal["user", "admin"] = "user"
+    name: str = Field(default="", max_length=128)
+
+
+class TenantSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    limits: TenantLimits = Field(default_factory=TenantLimits)
+    webhook_secrets: list[Annotated[str, Field(pattern=r"^whsec_[A-Za-z0-9+/=]{16,}$")]] = Field(
+        default_factory=list, max_length=4
+    )
+
+
+@router.post("/admin/keys", status_code=201, summary="Create an API key (shown once)")
+async def create_key(body: NewKey, request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
+    info, key = await services(request).keys.create(body.tenant, body.role, body.name)
+    return {**info.public(), "key": key}
+
+
+@router.get("/admin/keys", summary="List API keys (never the keys themselves)")
+async def list_keys(
+    request: Request, who: Annotated[Caller, Depends(admin)], tenant: Annotated[str | None, Query(max_length=64)] = None
+) -> dict[str, Any]:
+    return {"keys": [k.public() for k in await services(request).keys.list(tenant)]}
+
+
+@router.delete("/admin/keys/{key_id}", summary="Revoke an API key")
+async def revoke_key(key_id: str, request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
+    if not await services(request).keys.revoke(key_id):
+        raise ApiError(404, "not_found", f"no key {key_id}")
+    return {"id": key_id, "revoked": True}
+
+
+@router.get("/admin/tenants/{tenant}", summary="A tenant's weight and limits")
+async def get_tenant(tenant: str, request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
+    return (await services(request).tenants.get(tenant)).public()
+
+
+@router.put("/admin/tenants/{tenant}", summary="Set a tenant's weight, limits and webhook secrets")
+async def put_tenant(
+    tenant: Tenant, body: TenantSettings, request: Request, who: Annotated[Caller, Depends(admin)]
+) -> dict[str, Any]:
+    config = TenantConfig(tenant=tenant, **body.model_dump())
+    await services(request).tenants.put(config)
+    return config.public()
+
+
+@router.get("/admin/tenants/{tenant}/usage", summary="A tenant's usage by day")
+async def tenant_usage(
+    tenant: str,
+    request: Request,
+    who: Annotated[Caller, Depends(admin)],
+    days: Annotated[int, Query(ge=1, le=90)] = 7,
+) -> dict[str, Any]:
+    return await services(request).usage.read(tenant, days)
+
+
+def load_tracker(svc: Services) -> LoadTracker | None:
+    """The engine load the router scrapes from each replica's metrics (None: no router)."""
+    router = svc.dispatcher.runner.router
+    return router.loads if router is not None else None
+
+
+def load_view(load: ReplicaLoad | None) -> dict[str, Any] | None:
+    if load is None or not load.scraped_at:
+        return None  # never scraped (unhealthy, or no metrics URL)
+    return {
+        "requests": load.load,  # the engine's requests plus what this gateway routed since the scrape
+        "used_blocks": load.blocks,
+        "max_blocks": load.max_blocks,
+        "reused_blocks": load.reused_blocks,
+        "pending": load.pending,
+        "scraped_s_ago": round(max(0.0, time.monotonic() - load.scraped_at), 3),
+    }
+
+
+@router.get("/admin/replicas", tags=["Operations"], summary="The Triton replicas: health, requests in flight, load")
+async def replicas(request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
+    svc = services(request)
+    loads = load_tracker(svc)
+    return {
+        "replicas": [
+            {
+                "url": replica.url,
+                "healthy": replica.healthy,
+                "removed": replica.removed,
+                "inflight": replica.inflight,
+                "max_inflight": replica.max_inflight,
+                "ready_models": sorted(replica.ready_models),
+                "last_error": replica.last_error,
+                "generation": replica.generation,
+                "load": load_view(loads.loads.get(replica.url) if loads is not None else None),
+            }
+            for replica in list(svc.pool.replicas)
+        ]
+    }
+
+
+@router.get("/usage", summary="Your tenant's usage by day: requests and tokens")
+async def own_usage(
+    request: Request, who: Annotated[Caller, Depends(caller)], days: Annotated[int, Query(ge=1, le=90)] = 7
+) -> dict[str, Any]:
+    return await services(request).usage.read(who.tenant, days)

@@ -1,0 +1,126 @@
+"""A model's tokenizer, as Triton's preprocessing uses it: the Hugging Face tokenizer
+directory (tokenizer.json, tokenizer_config.json, generation_config.json, config.json).
+
+Chat templates are rendered the way transformers renders them (a sandboxed Jinja2
+environment with trim_blocks, lstrip_blocks and raise_exception), without importing
+transformers or torch into the gateway."""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class LlmTokenizer:
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        tokenizer_file = self.directory / "tokenizer.json"
+        if not tokenizer_file.exists():
+            raise FileNotFoundError(f"no tokenizer.json in {self.directory}")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config = _read_json(self.directory / "tokenizer_config.json")
+        special = _read_json(self.directory / "special_tokens_map.json")
+        generation = _read_json(self.directory / "generation_config.json")
+        model = _read_json(self.directory / "config.json")
+        self.bos_token = _token_text(config.get("bos_token")) or _token_text(special.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token")) or _token_text(special.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token")) or _token_text(special.get("pad_token"))
+        eos = generation.get("eos_token_id", model.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is None and self.eos_token is not None:
+            eos = self.tokenizer.token_to_id(self.eos_token)
+        self.end_id: int = int(eos) if eos is not None else -1
+        pad = generation.get("pad_token_id", model.get("pad_token_id"))
+        if pad is None and self.pad_token is not None:
+            pad = self.tokenizer.token_to_id(self.pad_token)
+        self.pad_id: int = int(pad) if pad is not None else max(self.end_id, 0)
+        # The engine's context: what the model was trained for.
+        self.context_length: int = int(
+            model.get("max_position_embeddings") or model.get("n_positions") or config.get("model_max_length") or 2048
+        )
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (self.directory / "chat_template.jinja").exists():
+            template = (self.directory / "chat_template.jinja").read_text()
+        self.chat_template: str | None = template
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def encode_words(self, words: list[str]) -> list[list[int]]:
+        return [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; send text_input instead of messages")
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
+                tools=None,
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
+
+
+def word_list(words: list[list[int]]) -> np.ndarray | None:
+    """TensorRT-LLM's word-list tensor, [1, 2, N] int32: row 0 the words' token ids end
+    to end, row 1 each word's end offset, padded with -1 (None when there are no words)."""
+    ids: list[int] = []
+    offsets: list[int] = []
+    for word in words:
+        if word:
+            ids.extend(word)
+            offsets.append(len(ids))
+    if not ids:
+        return None
+    offsets += [-1] * (len(ids) - len(offsets))
+    return np.array([[ids, offsets]], dtype=np.int32)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.cache
+def _compile(source: str) -> Any:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

@@ -1,0 +1,166 @@
+"""The Batch API (OpenAI's shapes): POST /v1/batches, GET /v1/batches/{id},
+GET /v1/batches (after, limit), POST /v1/batches/{id}/cancel.
+
+A batch is a document in MongoDB (`batches`), its lines documents in `batch_lines`;
+nothing of it lives only in a gateway's memory. Any gateway drives it while it holds
+its lease (gateway.server.openai.batch_runner): the lines become ordinary durable
+requests in the `batch` band, below interactive traffic, so batches fill spare capacity.
+
+Statuses: validating -> in_progress -> finalizing -> completed | failed | expired, and
+cancelling -> cancelled. An invalid line goes to the error file and does not fail the
+batch; a batch fails only when its input cannot be read at all."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pymongo import AsyncMongoClient, ReturnDocument
+
+from gateway.protocol import new_request_id
+from gateway.server.api.errors import ApiError
+from gateway.server.api.tenancy import Caller, caller
+from gateway.server.openai.schemas import BATCH_ENDPOINTS, BatchRequest
+from gateway.server.services import services
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+BATCHES_COLLECTION = "batches"
+LINES_COLLECTION = "batch_lines"
+WINDOWS = {"24h": 24 * 3600}
+# A runner works on a batch in these statuses.
+ACTIVE = ("validating", "in_progress", "cancelling", "finalizing")
+# What a line is: waiting to be submitted, submitted (its requests run), or ended.
+PENDING, SUBMITTED, SUCCEEDED, FAILED, SKIPPED = "pending", "submitted", "succeeded", "failed", "skipped"
+
+# Fields of a batch document that are not part of the OpenAI batch object.
+_PRIVATE = ("tenant", "lease_owner", "lease_until", "ending")
+
+
+class BatchStore:
+    def __init__(self, client: AsyncMongoClient, database: str) -> None:
+        self.batches = client[database][BATCHES_COLLECTION]
+        self.lines = client[database][LINES_COLLECTION]
+
+    async def create(self, tenant: str, body: BatchRequest) -> dict[str, Any]:
+        now = int(time.time())
+        document: dict[str, Any] = {
+            "_id": f"batch_{new_request_id()}",
+            "object": "batch",
+            "tenant": tenant,
+            "endpoint": body.endpoint,
+            "errors": None,
+            "input_file_id": body.input_file_id,
+            "completion_window": body.completion_window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + WINDOWS[body.completion_window],
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": body.metadata,
+            "lease_owner": "",
+            "lease_until": 0.0,
+        }
+        await self.batches.insert_one(document)
+        return document
+
+    async def get(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
+        return await self.batches.find_one({"_id": batch_id, "tenant": tenant})
+
+    async def list(self, tenant: str, limit: int, after: str | None) -> list[dict[str, Any]]:
+        query: dict[str, Any] = {"tenant": tenant}
+        if after:
+            query["_id"] = {"$lt": after}  # ids grow with time: newest first, then older
+        return [document async for document in self.batches.find(query).sort("_id", -1).limit(limit)]
+
+    async def cancel(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
+        return await self.batches.find_one_and_update(
+            {"_id": batch_id, "tenant": tenant, "status": {"$in": ["validating", "in_progress"]}},
+            {"$set": {"status": "cancelling", "cancelling_at": int(time.time())}},
+            return_document=ReturnDocument.AFTER,
+        )
+
+
+def batch_object(document: dict[str, Any]) -> dict[str, Any]:
+    found = {k: v for k, v in document.items() if k not in _PRIVATE and k != "_id"}
+    return {"id": document["_id"], **found}
+
+
+def _not_found(batch_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"no batch {batch_id}", details={"param": "batch_id"})
+
+
+@router.post("/batches", summary="Create a batch (OpenAI)")
+async def create_batch(body: BatchRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
+    svc = services(request)
+    if body.endpoint not in BATCH_ENDPOINTS:
+        raise ApiError(
+            400,
+            "invalid_endpoint",
+            f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}",
+            details={"param": "endpoint"},
+        )
+    if body.completion_window not in WINDOWS:
+        raise ApiError(
+            400, "invalid_completion_window", "completion_window must be 24h", details={"param": "completion_window"}
+        )
+    found = await svc.files.get(who.tenant, body.input_file_id)
+    if found is None:
+        raise ApiError(404, "not_found", f"no file {body.input_file_id}", details={"param": "input_file_id"})
+    if found["purpose"] != "batch":
+        raise ApiError(
+            400, "invalid_file", "the input file must have purpose batch", details={"param": "input_file_id"}
+        )
+    document = await svc.batches.create(who.tenant, body)
+    svc.batch_runner.notice()
+    return batch_object(document)
+
+
+@router.get("/batches/{batch_id}", summary="One batch (OpenAI)")
+async def get_batch(batch_id: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
+    document = await services(request).batches.get(who.tenant, batch_id)
+    if document is None:
+        raise _not_found(batch_id)
+    return batch_object(document)
+
+
+@router.get("/batches", summary="The tenant's batches, newest first (OpenAI)")
+async def list_batches(
+    request: Request,
+    who: Annotated[Caller, Depends(caller)],
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict[str, Any]:
+    documents = await services(request).batches.list(who.tenant, limit + 1, after)
+    data = [batch_object(d) for d in documents[:limit]]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(documents) > limit,
+    }
+
+
+@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch (OpenAI)")
+async def cancel_batch(batch_id: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
+    svc = services(request)
+    document = await svc.batches.cancel(who.tenant, batch_id)
+    if document is None:
+        existing = await svc.batches.get(who.tenant, batch_id)
+        if existing is None:
+            raise _not_found(batch_id)
+        if existing["status"] not in ("cancelling", "cancelled"):
+            raise ApiError(409, "batch_not_cancellable", f"the batch is {existing['status']}")
+        return batch_object(existing)
+    svc.batch_runner.notice()
+    return batch_object(document)

@@ -1,0 +1,143 @@
+"""Live load per replica, scraped from Triton's metrics endpoint every interval_s: the
+engine's request counts and KV-cache blocks (TensorRT-LLM's nv_trt_llm_* families,
+which the CPU stand-in reports too) and Triton's pending requests per model. Between
+scrapes the load of this gateway's own requests is known exactly (routed minus ended),
+and the scrape adds what the other gateways have there."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.server.replicas import ReplicaPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaLoad:
+    requests: float = 0.0  # the engine's active + waiting requests (all gateways)
+    used_blocks: float = 0.0
+    max_blocks: float = 0.0
+    reused_blocks: float = 0.0
+    pending: dict[str, float] = field(default_factory=dict)  # Triton model -> queued requests
+    scraped_at: float = 0.0
+    # This gateway's own requests on the replica, exact and at once (routed minus ended);
+    # the scrape tells what the other gateways add: what it saw beyond our own then.
+    own_requests: int = 0
+    own_blocks: int = 0
+    others_requests: float = 0.0
+    others_blocks: float = 0.0
+
+    @property
+    def load(self) -> float:
+        return self.others_requests + self.own_requests
+
+    @property
+    def blocks(self) -> float:
+        return self.others_blocks + self.own_blocks
+
+
+def parse(text: str) -> ReplicaLoad:
+    load = ReplicaLoad(scraped_at=time.monotonic())
+    requests: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "nv_trt_llm_request_metrics":
+                kind = labels.get("request_type", "")
+                requests[kind] = requests.get(kind, 0.0) + sample.value
+            elif sample.name == "nv_trt_llm_kv_cache_block_metrics":
+                block = labels.get("kv_cache_block_type")
+                if block == "used":
+                    load.used_blocks += sample.value
+                elif block == "max":
+                    load.max_blocks += sample.value
+                elif block == "reused":
+                    load.reused_blocks += sample.value
+            elif sample.name == "nv_inference_pending_request_count" and "model" in labels:
+                load.pending[labels["model"]] = sample.value
+    # Requests in the engine: scheduled (context and generation) plus waiting to be.
+    if "scheduled" in requests or "waiting" in requests:
+        load.requests = requests.get("scheduled", 0.0) + requests.get("waiting", 0.0)
+    else:
+        load.requests = requests.get("active", 0.0)
+    return load
+
+
+class LoadTracker:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        metrics_url: Callable[[str], str | None],
+        *,
+        interval_s: float,
+        on_reset: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.pool = pool
+        self.metrics_url = metrics_url
+        self.interval_s = interval_s
+        self.on_reset = on_reset
+        self.loads: dict[str, ReplicaLoad] = {}
+        self._http = httpx.AsyncClient(timeout=max(0.5, interval_s * 4))
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.scrape_all()
+        self._task = asyncio.create_task(self._run(), name="replica-load")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._http.aclose()
+
+    def get(self, replica: str) -> ReplicaLoad:
+        return self.loads.setdefault(replica, ReplicaLoad())
+
+    def routed(self, replica: str, blocks: int) -> None:
+        load = self.get(replica)
+        load.own_requests += 1
+        load.own_blocks += blocks
+
+    def finished(self, replica: str, blocks: int) -> None:
+        load = self.get(replica)
+        load.own_requests -= 1
+        load.own_blocks -= blocks
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.scrape_all()
+            except Exception as exc:  # keep the last figures; try again next time
+                log.debug("scraping replica metrics failed: %s", exc)
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(r.url) for r in list(self.pool.replicas) if r.healthy))
+
+    async def _scrape(self, replica: str) -> None:
+        url = self.metrics_url(replica)
+        if url is None:
+            return
+        try:
+            response = await self._http.get(url)
+            fresh = parse(response.text)
+        except Exception:
+            return
+        previous = self.loads.get(replica)
+        if previous is not None:
+            fresh.own_requests, fresh.own_blocks = previous.own_requests, previous.own_blocks
+        # (Our requests still on their way to the engine make this a slight underestimate.)
+        fresh.others_requests = max(0.0, fresh.requests - fresh.own_requests)
+        fresh.others_blocks = max(0.0, fresh.used_blocks - fresh.own_blocks)
+        self.loads[replica] = fresh
+        # A reuse counter that went down, or blocks all free after a restart: an empty cache.
+        if previous is not None and fresh.reused_blocks < previous.reused_blocks:
+            await self.on_reset(replica)

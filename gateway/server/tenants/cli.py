@@ -1,0 +1,89 @@
+"""`gateway keys create|list|revoke`: manage API keys directly in MongoDB (MONGO_URL,
+MONGO_DB), as an operator does, also before any admin key exists. The admin API
+(/admin/keys) does the same over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+app = typer.Typer(help="API keys: create, list, revoke (in MongoDB: MONGO_URL, MONGO_DB).", no_args_is_help=True)
+
+T = TypeVar("T")
+
+
+def _with_keys(work: Callable[[Any], Awaitable[T]]) -> T:
+    from pymongo import AsyncMongoClient
+
+    from gateway.common.settings import ServiceSettings
+    from gateway.server.tenants.keys import KeyStore
+
+    settings = ServiceSettings()
+
+    async def run() -> T:
+        client: AsyncMongoClient = AsyncMongoClient(settings.mongo_url, tz_aware=True, serverSelectionTimeoutMS=5000)
+        try:
+            return await work(KeyStore(client, settings.mongo_db, cache_s=0))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+@app.command()
+def create(
+    tenant: Annotated[str, typer.Option(help="The tenant the key belongs to")],
+    admin: Annotated[bool, typer.Option("--admin", help="An admin key (manages keys and tenants)")] = False,
+    name: Annotated[str, typer.Option(help="A label for the key")] = "",
+) -> None:
+    """Create a key and print it (it is shown only this once)."""
+    info, key = _with_keys(lambda keys: keys.create(tenant, "admin" if admin else "user", name))
+    typer.echo(json.dumps({**info.public(), "key": key}, indent=2))
+
+
+@app.command("list")
+def list_keys(tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys")] = None) -> None:
+    """List keys (never the keys themselves)."""
+    found = _with_keys(lambda keys: keys.list(tenant))
+    typer.echo(json.dumps([k.public() for k in found], indent=2))
+
+
+@app.command()
+def revoke(key_id: Annotated[str, typer.Argument(help="The key's id (from `list`)")]) -> None:
+    """Revoke a key: it stops working within the gateways' key cache time (10 s)."""
+    if not _with_keys(lambda keys: keys.revoke(key_id)):
+        typer.echo(f"error: no key {key_id}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {key_id}")
+
+
+def ensure_local_key(path: Path, mongo_url: str, database: str, tenant: str = "local") -> tuple[str, bool]:
+    """The local stack's key: the one saved at `path` if MongoDB still knows it, else a new
+    admin key for `tenant`, saved there (0600). Returns (key, created)."""
+    from pymongo import AsyncMongoClient
+
+    from gateway.server.tenants.keys import KeyStore
+
+    saved = path.read_text().strip() if path.exists() else ""
+
+    async def run() -> tuple[str, bool]:
+        client: AsyncMongoClient = AsyncMongoClient(mongo_url, tz_aware=True, serverSelectionTimeoutMS=10000)
+        try:
+            keys = KeyStore(client, database, cache_s=0)
+            if saved and await keys.verify(saved) is not None:
+                return saved, False
+            _, key = await keys.create(tenant, "admin", "local stack")
+            return key, True
+        finally:
+            await client.close()
+
+    key, created = asyncio.run(run())
+    if created:
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+    return key, created

@@ -1,0 +1,77 @@
+"""Each tenant's weight (its share under contention) and limits, in MongoDB's `tenants`
+collection; a tenant without a document gets the defaults from settings. Cached for a
+few seconds in every gateway."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, Field
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import PyMongoError
+
+TENANTS_COLLECTION = "tenants"
+
+
+class TenantLimits(BaseModel):
+    """0 means no limit."""
+
+    requests_per_minute: int = Field(default=0, ge=0)
+    tokens_per_minute: int = Field(default=0, ge=0)
+    max_concurrent: int = Field(default=0, ge=0)
+    max_queued: int = Field(default=0, ge=0)
+
+
+class TenantConfig(BaseModel):
+    tenant: str
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    limits: TenantLimits = Field(default_factory=TenantLimits)
+    # Standard Webhooks secrets for this tenant's webhooks (else the deployment's).
+    webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
+
+    def public(self) -> dict[str, Any]:
+        body = self.model_dump()
+        body["webhook_secrets"] = len(self.webhook_secrets)  # how many, never the secrets
+        return body
+
+
+class TenantStore:
+    def __init__(
+        self, client: AsyncMongoClient, database: str, defaults: TenantLimits, *, cache_s: float = 5.0
+    ) -> None:
+        self.collection: AsyncCollection = client[database][TENANTS_COLLECTION]
+        self.defaults = defaults
+        self.cache_s = cache_s
+        self._cache: dict[str, tuple[float, TenantConfig]] = {}
+
+    def cached(self, tenant: str) -> TenantConfig | None:
+        """What is known without a read (for the scheduler's hot path)."""
+        found = self._cache.get(tenant)
+        return found[1] if found else None
+
+    async def get(self, tenant: str) -> TenantConfig:
+        now = time.monotonic()
+        found = self._cache.get(tenant)
+        if found is not None and now - found[0] < self.cache_s:
+            return found[1]
+        try:
+            document = await self.collection.find_one({"_id": tenant})
+        except PyMongoError:
+            if found is not None:  # MongoDB is down: what was known still holds
+                return found[1]
+            raise
+        if document is None:
+            config = TenantConfig(tenant=tenant, limits=self.defaults)
+        else:
+            config = TenantConfig.model_validate({**document, "tenant": tenant})
+        self._cache[tenant] = (now, config)
+        return config
+
+    async def put(self, config: TenantConfig) -> None:
+        document = config.model_dump(exclude={"tenant"})
+        # ($set with upsert, not replace_one: the local MongoDB-wire server ignores an
+        # upserting replace.)
+        await self.collection.update_one({"_id": config.tenant}, {"$set": document}, upsert=True)
+        self._cache.pop(config.tenant, None)

@@ -1,0 +1,132 @@
+"""API keys: `tgw_<key id>_<secret>`, random, shown once, stored in MongoDB only as the
+SHA-256 of the secret (the secret is 256 random bits, so a fast hash is safe), compared
+in constant time, never logged. Each key belongs to a tenant and has a role (user or
+admin). Verified keys are cached for a few seconds, so a revocation takes effect within
+cache_s and a MongoDB outage does not lock out recent callers."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import PyMongoError
+
+KEYS_COLLECTION = "api_keys"
+PREFIX = "tgw_"
+Role = Literal["user", "admin"]
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key_id: str
+    tenant: str
+    role: Role
+    name: str
+    created_at: datetime
+    revoked: bool = False
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.key_id,
+            "tenant": self.tenant,
+            "role": self.role,
+            "name": self.name,
+            "created_at": self.created_at.isoformat(),
+            "revoked": self.revoked,
+        }
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def split(token: str) -> tuple[str, str] | None:
+    """(key id, secret) of a well-formed key, else None."""
+    if not token.startswith(PREFIX) or len(token) > 200:
+        return None
+    key_id, sep, secret = token[len(PREFIX) :].partition("_")
+    if not sep or not key_id.isalnum() or not secret:
+        return None
+    return key_id, secret
+
+
+class KeyStore:
+    def __init__(self, client: AsyncMongoClient, database: str, *, cache_s: float = 10.0) -> None:
+        self.collection: AsyncCollection = client[database][KEYS_COLLECTION]
+        self.cache_s = cache_s
+        self._cache: dict[str, tuple[float, KeyInfo | None]] = {}
+
+    async def create(self, tenant: str, role: Role = "user", name: str = "") -> tuple[KeyInfo, str]:
+        """A new key; returns its info and the key itself (the only time it is seen)."""
+        key_id = secrets.token_hex(6)
+        secret = secrets.token_urlsafe(32)
+        info = KeyInfo(key_id, tenant, role, name, datetime.now(UTC))
+        await self.collection.insert_one(
+            {
+                "_id": key_id,
+                "hash": _hash(secret),
+                "tenant": tenant,
+                "role": role,
+                "name": name,
+                "created_at": info.created_at,
+                "revoked": False,
+            }
+        )
+        return info, f"{PREFIX}{key_id}_{secret}"
+
+    async def verify(self, token: str) -> KeyInfo | None:
+        """The key's info, or None for a key that is unknown, wrong or revoked."""
+        parts = split(token)
+        if parts is None:
+            return None
+        key_id, secret = parts
+        now = time.monotonic()
+        cache_key = _hash(token)  # the cache never holds a key in the clear
+        cached = self._cache.get(cache_key)
+        if cached is not None and now - cached[0] < self.cache_s:
+            return cached[1]
+        try:
+            document = await self.collection.find_one({"_id": key_id})
+        except PyMongoError:
+            if cached is not None:  # MongoDB is down: a key verified before still counts
+                return cached[1]
+            raise
+        info = None
+        if document is not None and hmac.compare_digest(document.get("hash", ""), _hash(secret)):
+            info = _info(document)
+            if info.revoked:
+                info = None
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[cache_key] = (now, info)
+        return info
+
+    async def list(self, tenant: str | None = None) -> list[KeyInfo]:
+        query = {"tenant": tenant} if tenant else {}
+        return [_info(d) async for d in self.collection.find(query).sort("created_at", 1)]
+
+    async def revoke(self, key_id: str, tenant: str | None = None) -> bool:
+        query: dict[str, Any] = {"_id": key_id}
+        if tenant is not None:
+            query["tenant"] = tenant
+        result = await self.collection.update_one(query, {"$set": {"revoked": True}})
+        self._cache.clear()
+        return result.matched_count == 1
+
+
+def _info(document: dict[str, Any]) -> KeyInfo:
+    return KeyInfo(
+        key_id=document["_id"],
+        tenant=document["tenant"],
+        role=document.get("role", "user"),
+        name=document.get("name", ""),
+        created_at=document.get("created_at") or datetime.now(UTC),
+        revoked=bool(document.get("revoked")),
+    )

@@ -1,0 +1,73 @@
+"""Per-tenant rate limits over Redis with the `limits` library (sliding-window counters):
+requests per minute, counted at admission, and tokens per minute, counted from real
+usage when requests end (an admission is refused while the window's usage is spent).
+Answers carry OpenAI's x-ratelimit-* headers; a refusal is 429 with Retry-After."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from limits import RateLimitItemPerMinute
+from limits.aio.storage import RedisStorage
+from limits.aio.strategies import SlidingWindowCounterRateLimiter
+
+from gateway.server.api.errors import ApiError
+from gateway.server.tenants.config import TenantConfig
+
+
+def _reset(reset_time: float) -> str:
+    seconds = max(0.0, reset_time - time.time())
+    return f"{seconds:.3f}s" if seconds < 60 else f"{int(seconds // 60)}m{seconds % 60:.0f}s"
+
+
+class Quotas:
+    def __init__(self, redis_url: str) -> None:
+        uri = redis_url.replace("redis://", "async+redis://", 1)
+        self.limiter = SlidingWindowCounterRateLimiter(RedisStorage(uri, implementation="redispy"))
+
+    async def admit(self, config: TenantConfig, estimated_tokens: int) -> dict[str, str]:
+        """Count one request; the rate-limit headers, or ApiError(429) when over a limit."""
+        limits = config.limits
+        headers: dict[str, str] = {}
+        if limits.requests_per_minute:
+            item = RateLimitItemPerMinute(limits.requests_per_minute)
+            allowed = await self.limiter.hit(item, "rpm", config.tenant)
+            stats = await self.limiter.get_window_stats(item, "rpm", config.tenant)
+            headers |= {
+                "x-ratelimit-limit-requests": str(limits.requests_per_minute),
+                "x-ratelimit-remaining-requests": str(max(0, stats.remaining)),
+                "x-ratelimit-reset-requests": _reset(stats.reset_time),
+            }
+            if not allowed:
+                raise self._refusal("rate_limited", "requests per minute", stats.reset_time, headers)
+        if limits.tokens_per_minute:
+            item = RateLimitItemPerMinute(limits.tokens_per_minute)
+            allowed = await self.limiter.test(item, "tpm", config.tenant, cost=max(1, estimated_tokens))
+            stats = await self.limiter.get_window_stats(item, "tpm", config.tenant)
+            headers |= {
+                "x-ratelimit-limit-tokens": str(limits.tokens_per_minute),
+                "x-ratelimit-remaining-tokens": str(max(0, stats.remaining)),
+                "x-ratelimit-reset-tokens": _reset(stats.reset_time),
+            }
+            if not allowed:
+                raise self._refusal("token_rate_limited", "tokens per minute", stats.reset_time, headers)
+        return headers
+
+    async def used_tokens(self, config: TenantConfig, tokens: int) -> None:
+        """Count the tokens a finished request used (prompt and completion)."""
+        if config.limits.tokens_per_minute and tokens > 0:
+            item = RateLimitItemPerMinute(config.limits.tokens_per_minute)
+            # hit() refuses (and counts nothing) once the window is full; what was used is
+            # used all the same, so count what still fits.
+            if not await self.limiter.hit(item, "tpm", config.tenant, cost=tokens):
+                stats = await self.limiter.get_window_stats(item, "tpm", config.tenant)
+                if stats.remaining > 0:
+                    await self.limiter.hit(item, "tpm", config.tenant, cost=stats.remaining)
+
+    @staticmethod
+    def _refusal(code: str, what: str, reset_time: float, headers: dict[str, str]) -> ApiError:
+        retry = max(1, math.ceil(reset_time - time.time()))
+        return ApiError(
+            429, code, f"over this tenant's {what}; retry in {retry}s", headers={**headers, "Retry-After": str(retry)}
+        )

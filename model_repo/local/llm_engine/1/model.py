@@ -1,0 +1,232 @@
+"""llm_engine: a CPU stand-in for TensorRT-LLM's `tensorrt_llm` model, with exactly its
+inputs and outputs (model_repo/trtllm/trtllm_tensorrt_llm/config.pbtxt).
+
+Token ids in, token ids out; decoupled (streaming sends each new token as it is made,
+as TensorRT-LLM does); several requests generate at once (engine.py); a cancelled
+request, or a `stop` request with its id, ends within one step; a block prefix KV cache
+(kv_blocks.py) reuses whole prompt blocks across requests. It reports TensorRT-LLM's
+metric families (nv_trt_llm_kv_cache_block_metrics, nv_trt_llm_request_metrics) through
+the python backend's custom-metrics API, so the gateway reads both profiles alike.
+
+Parameters (config.pbtxt): model_dir, engine (hf | synthetic), tokens_per_block,
+kv_cache_max_blocks, max_active_requests, and for the synthetic engine
+prefill_us_per_token, decode_us, context_length."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine import Engine, HfBackend, Sampling, Sequence, SyntheticBackend  # noqa: E402
+from kv_blocks import BlockCache  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+# Inputs of the tensorrt_llm contract this stand-in does not implement; a request that
+# sets them to something other than their neutral value is refused.
+_UNSUPPORTED = {"beam_width": 1, "num_return_sequences": 1}
+
+
+def scalar(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return default if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
+
+
+def word_list(tensor) -> list[list[int]]:
+    """TensorRT-LLM's [batch, 2, N] word list (first row of the batch) to token sequences."""
+    if tensor is None:
+        return []
+    array = tensor.as_numpy()
+    ids, offsets = array.reshape(-1, 2, array.shape[-1])[0]
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        words.append([int(t) for t in ids[start:end]])
+        start = int(end)
+    return [w for w in words if w]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.model_name = args.get("model_name", config.get("name", "llm_engine"))
+        self.version = args.get("model_version", "1")
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        model_dir = os.path.expandvars(params.get("model_dir", ""))
+        kind = params.get("engine", "hf")
+        tokens_per_block = int(params.get("tokens_per_block", "32"))
+        if kind == "synthetic":
+            backend = SyntheticBackend(
+                self._word_tokens(model_dir),
+                prefill_us_per_token=float(params.get("prefill_us_per_token", "200")),
+                decode_us=float(params.get("decode_us", "20000")),
+                context_length=int(params.get("context_length", "4096")),
+                echo=params.get("synthetic_output", "words") == "echo",
+            )
+            self.default_end_id = -1
+        else:
+            device = params.get("device", "auto")
+            if device == "auto":
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            dtype = "float16" if device == "cuda" else "float32"
+            backend = HfBackend(model_dir, device=device, dtype=dtype)
+            eos = getattr(backend.model.generation_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+            self.default_end_id = int(eos) if eos is not None else -1
+        self.cache = BlockCache(tokens_per_block, int(params.get("kv_cache_max_blocks", "2048")))
+        self.max_active = int(params.get("max_active_requests", "8"))
+        self._metrics()
+        self.engine = Engine(backend, self.cache, max_active=self.max_active, on_step=self._report)
+        if params.get("weights", "").startswith("DEMO"):
+            pb_utils.Logger.log_warn(f"{self.model_name}: {params['weights']} ({model_dir})")
+
+    @staticmethod
+    def _word_tokens(model_dir: str) -> list[int]:
+        """Token ids of plain lower-case words with a leading space, for synthetic text."""
+        path = os.path.join(model_dir, "tokenizer.json") if model_dir else ""
+        if not path or not os.path.exists(path):
+            return []
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(path)
+        words = []
+        for token, token_id in tokenizer.get_vocab().items():
+            text = tokenizer.decode([token_id])
+            if len(text) > 2 and text[0] == " " and text[1:].isalpha() and text[1:].islower() and text.isascii():
+                words.append(token_id)
+        return sorted(words)[:2000]
+
+    # -- metrics (TensorRT-LLM's names) --------------------------------------------------
+
+    def _metrics(self):
+        labels = {"model": self.model_name, "version": str(self.version)}
+        blocks = pb_utils.MetricFamily(
+            name="nv_trt_llm_kv_cache_block_metrics", description="TRT LLM KV cache block metrics",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        requests = pb_utils.MetricFamily(
+            name="nv_trt_llm_request_metrics", description="TRT LLM request metrics",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.block_metrics = {
+            kind: blocks.Metric(labels={"kv_cache_block_type": kind, **labels})
+            for kind in ("max", "free", "used", "tokens_per", "reused", "fraction")
+        }
+        self.request_metrics = {
+            kind: requests.Metric(labels={"request_type": kind, **labels})
+            for kind in ("waiting", "scheduled", "context", "generation", "active", "max")
+        }
+        # Not a TensorRT-LLM metric: the stand-in's own count of prompt tokens it computed
+        # (not served from the prefix cache), so tests can see what a cache hit saved.
+        prefill = pb_utils.MetricFamily(
+            name="llm_engine_prefilled_tokens", description="Prompt tokens computed in the context phase",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.prefilled_metric = prefill.Metric(labels=labels)
+        self.block_metrics["max"].set(self.cache.max_blocks)
+        self.block_metrics["tokens_per"].set(self.cache.tokens_per_block)
+        self.request_metrics["max"].set(self.max_active)
+        self._families = (blocks, requests, prefill)  # keep them alive
+
+    def _report(self, engine):
+        tpb = self.cache.tokens_per_block
+        used = min(self.cache.max_blocks, sum(s.blocks(tpb) for s in engine.active))
+        b, r = self.block_metrics, self.request_metrics
+        b["used"].set(used)
+        b["free"].set(self.cache.max_blocks - used)
+        b["fraction"].set(used / self.cache.max_blocks if self.cache.max_blocks else 0.0)
+        b["reused"].set(self.cache.reused_total)
+        waiting = len(engine.waiting)
+        scheduled = len(engine.active)
+        r["waiting"].set(waiting)
+        r["scheduled"].set(scheduled)
+        r["context"].set(engine.context_now)
+        r["generation"].set(scheduled - engine.context_now)
+        r["active"].set(scheduled + waiting)
+        self.prefilled_metric.set(engine.prefilled_total)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def execute(self, requests):
+        for request in requests:
+            if scalar(request, "stop", False):
+                self.engine.stop_request(request.request_id())
+                request.get_response_sender().send(flags=FINAL)
+                continue
+            sender = request.get_response_sender()
+            try:
+                self.engine.submit(self._sequence(request, sender))
+            except ValueError as exc:
+                error = pb_utils.TritonError(f"invalid input: {exc}", pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        return None
+
+    def _sequence(self, request, sender) -> Sequence:
+        ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids_tensor is None:
+            raise ValueError("input_ids is required")
+        input_ids = ids_tensor.as_numpy()
+        if input_ids.ndim == 2 and input_ids.shape[0] != 1:
+            raise ValueError("send one prompt per request (batch size 1)")
+        row = input_ids.reshape(-1)
+        length = int(scalar(request, "input_lengths", row.shape[0]))
+        prompt = row[:length].astype(np.int64).tolist()
+        if not prompt:
+            raise ValueError("input_ids is empty")
+        for name, neutral in _UNSUPPORTED.items():
+            if int(scalar(request, name, neutral)) != neutral:
+                raise ValueError(f"{name} other than {neutral} is not supported")
+        if not bool(scalar(request, "exclude_input_in_output", True)):
+            raise ValueError("exclude_input_in_output=false is not supported")
+        max_new = int(scalar(request, "request_output_len", 16))
+        if max_new < 1:
+            raise ValueError("request_output_len must be at least 1")
+        self.engine.backend.check(prompt, max_new)
+        sampling = Sampling(
+            max_new=self.engine.backend.budget(prompt, max_new),
+            end_id=int(scalar(request, "end_id", self.default_end_id)),
+            top_k=int(scalar(request, "runtime_top_k", 0)),
+            top_p=float(scalar(request, "runtime_top_p", 0.0)),
+            temperature=float(scalar(request, "temperature", 1.0)),
+            repetition_penalty=float(scalar(request, "repetition_penalty", 1.0)),
+            seed=int(scalar(request, "seed", 0)),
+            stop_words=word_list(pb_utils.get_input_tensor_by_name(request, "stop_words_list")),
+            bad_words=word_list(pb_utils.get_input_tensor_by_name(request, "bad_words_list")),
+        )
+
+        def send(tokens: list[int], final: bool) -> None:
+            if final and not tokens and streaming:
+                sender.send(flags=FINAL)
+                return
+            ids = np.array(tokens, dtype=np.int32).reshape(1, 1, -1)
+            outputs = [
+                pb_utils.Tensor("output_ids", ids),
+                pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32)),
+            ]
+            sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
+
+        def fail(message: str) -> None:
+            code = pb_utils.TritonError.INVALID_ARG if message.startswith("invalid input") else pb_utils.TritonError.INTERNAL
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+
+        def cancelled() -> bool:
+            return bool(
+                (hasattr(sender, "is_cancelled") and sender.is_cancelled())
+                or (hasattr(request, "is_cancelled") and request.is_cancelled())
+            )
+
+        streaming = bool(scalar(request, "streaming", False))
+        return Sequence(
+            request_id=request.request_id(), prompt=prompt, sampling=sampling, streaming=streaming,
+            send=send, fail=fail, cancelled=cancelled,
+        )
+
+    def finalize(self):
+        self.engine.close()

@@ -1,0 +1,232 @@
+"""OpenAI's Files and Batch APIs with the official `openai` package: files live in
+MongoDB (GridFS), batches run as ordinary durable requests in the batch band, invalid
+lines go to the error file without failing the batch, a cancel ends a batch cancelled,
+and a batch whose gateway is killed is finished by another, each line exactly once."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway.common.result_store import RESULTS_COLLECTION
+from tests.conftest import kill_by_pid
+from tests.test_tenants import new_key
+
+MONGO_DB = "triton_gateway"  # the stack's database (gateway.common.settings default)
+
+
+def chat_line(custom_id: str, text: str, model: str = "llm_echo", max_tokens: int = 200) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def jsonl(lines: list) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+
+
+def upload(client: openai.OpenAI, lines: list) -> str:
+    return client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch").id
+
+
+def run_batch(client: openai.OpenAI, lines: list, endpoint: str = "/v1/chat/completions"):
+    return client.batches.create(input_file_id=upload(client, lines), endpoint=endpoint, completion_window="24h")
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+
+
+def read_lines(client: openai.OpenAI, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    lines = [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+    return {line["custom_id"]: line for line in lines}
+
+
+@pytest.fixture
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key=stack.api_key, max_retries=0, timeout=60)
+
+
+def test_a_batch_with_invalid_lines_completes_and_outputs_match_by_custom_id(client) -> None:
+    valid = [chat_line(f"req-{i}", f"question number {i}") for i in range(55)]
+    invalid = [
+        b"{not json",
+        {**chat_line("wrong-url", "x"), "url": "/v1/embeddings"},
+        chat_line("no-such-model", "x", model="no-such-model"),
+        chat_line("req-0", "the same custom_id again"),
+        {"custom_id": "no-body", "method": "POST", "url": "/v1/chat/completions"},
+    ]
+    file_id = upload(client, valid[:30] + invalid + valid[30:])
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "nightly"}
+    )
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    done = wait_for(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (60, 55, 5)
+    outputs = read_lines(client, done.output_file_id)
+    assert set(outputs) == {f"req-{i}" for i in range(55)}
+    for i in range(55):
+        response = outputs[f"req-{i}"]["response"]
+        assert response["status_code"] == 200
+        assert f"question number {i}<|im_end|>" in response["body"]["choices"][0]["message"]["content"]
+        assert response["body"]["usage"]["completion_tokens"] > 0
+    errors = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
+    codes = sorted(line["error"]["code"] for line in errors)
+    assert codes == ["duplicate_custom_id", "invalid_json", "invalid_request", "invalid_url", "model_not_found"]
+
+
+def test_a_batch_of_embeddings_returns_vectors_per_line(client) -> None:
+    lines = [
+        {"custom_id": "one", "method": "POST", "url": "/v1/embeddings", "body": {"model": "text_embed", "input": "a"}},
+        {
+            "custom_id": "two",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "text_embed", "input": ["b", "c"]},
+        },
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines), endpoint="/v1/embeddings", completion_window="24h"
+    )
+    done = wait_for(client, batch.id, {"completed", "failed"})
+    outputs = read_lines(client, done.output_file_id)
+    assert [len(outputs[c]["response"]["body"]["data"]) for c in ("one", "two")] == [1, 2]
+    assert len(outputs["two"]["response"]["body"]["data"][1]["embedding"]) == 384
+    assert done.error_file_id is None
+
+
+def test_a_cancelled_batch_ends_cancelled_with_what_finished(client) -> None:
+    lines = [chat_line(f"slow-{i}", "tell me more", model="llm_synthetic", max_tokens=60) for i in range(300)]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    wait_for(client, batch.id, {"in_progress"}, timeout_s=30)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = wait_for(client, batch.id, {"cancelled"}, timeout_s=60)
+    assert done.request_counts.completed < 300
+    assert len(read_lines(client, done.output_file_id)) == done.request_counts.completed
+    assert client.batches.cancel(batch.id).status == "cancelled"  # again: nothing changes
+
+
+def test_a_finished_batch_cannot_be_cancelled(client) -> None:
+    file_id = upload(client, [chat_line("quick", "hi")])
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(client, batch.id, {"completed"})
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+async def test_a_batch_whose_gateway_is_killed_is_finished_by_another_exactly_once(stack, mongo) -> None:
+    process, url = stack.start_gateway("gateway-batches", BATCH_LEASE_S="2", BATCH_WINDOW="4")
+    count = 24
+    lines = [chat_line(f"line-{i}", f"count {i}", model="llm_synthetic", max_tokens=30) for i in range(count)]
+    dying = openai.OpenAI(base_url=f"{url}/v1", api_key=stack.api_key, max_retries=0, timeout=30)
+    try:
+        batch = dying.batches.create(
+            input_file_id=upload(dying, lines), endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while dying.batches.retrieve(batch.id).request_counts.completed < 4:  # mid-way, requests running
+            assert time.monotonic() < deadline, "the batch made no progress"
+            time.sleep(0.1)
+    finally:
+        kill_by_pid(process)
+    survivor = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key=stack.api_key, max_retries=0, timeout=30)
+    done = wait_for(survivor, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts.completed == count
+    outputs = read_lines(survivor, done.output_file_id)
+    assert set(outputs) == {f"line-{i}" for i in range(count)}
+    request_ids = {line["response"]["request_id"] for line in outputs.values()}
+    assert len(request_ids) == count
+    # Exactly one request per line ran and was stored, though two gateways drove the batch.
+    results = mongo[MONGO_DB][RESULTS_COLLECTION]
+    deadline = time.monotonic() + 20
+    while (stored := await results.count_documents({"metadata.batch_id": batch.id})) < count:
+        assert time.monotonic() < deadline, f"{stored} of {count} stored"
+        time.sleep(0.1)
+    assert stored == count
+
+
+async def test_files_and_batches_of_another_tenant_are_404(stack, client) -> None:
+    file_id = upload(client, [chat_line("mine", "hi")])
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    other = openai.OpenAI(
+        base_url=f"{stack.gateway_url}/v1", api_key=await new_key(stack, "tenant-files"), max_retries=0, timeout=30
+    )
+    for call in (
+        lambda: other.files.retrieve(file_id),
+        lambda: other.files.content(file_id),
+        lambda: other.files.delete(file_id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert batch.id not in {b.id for b in other.batches.list()}
+    with pytest.raises(openai.NotFoundError):  # nor can it run a batch on someone else's file
+        other.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert client.files.retrieve(file_id).bytes > 0
+
+
+def test_a_file_round_trips_and_is_deleted(client) -> None:
+    content = jsonl([chat_line("a", "hello"), chat_line("b", "world")])
+    created = client.files.create(file=("two.jsonl", io.BytesIO(content)), purpose="batch")
+    assert (created.bytes, created.filename, created.purpose) == (len(content), "two.jsonl", "batch")
+    assert client.files.content(created.id).content == content
+    assert created.id in {f.id for f in client.files.list(purpose="batch")}
+    assert client.files.delete(created.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(created.id)
+
+
+def test_batches_are_listed_newest_first_with_after_and_limit(client) -> None:
+    file_id = upload(client, [chat_line("x", "list me")])
+    made = [
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
+        for _ in range(3)
+    ]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == made[::-1][:2] and first.has_more
+    after = client.batches.list(limit=2, after=first.data[-1].id)
+    assert after.data[0].id == made[0]
+
+
+def test_bad_requests_get_openai_errors(client, stack) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    assert refused.value.code == "invalid_purpose"
+    file_id = upload(client, [chat_line("x", "y")])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/responses", completion_window="24h")
+    assert refused.value.code == "invalid_endpoint"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def test_a_file_over_the_limit_is_413(stack) -> None:
+    process, url = stack.start_gateway("gateway-small-files", MAX_FILE_BYTES="1000")
+    try:
+        response = httpx.post(
+            f"{url}/v1/files",
+            headers={"Authorization": f"Bearer {stack.api_key}"},
+            files={"file": ("big.jsonl", b"x" * 5000)},
+            data={"purpose": "batch"},
+        )
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] in ("file_too_large", "payload_too_large")
+    finally:
+        stack.stop(process)
