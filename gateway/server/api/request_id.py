@@ -1,6 +1,7 @@
 """X-Request-ID: one id per HTTP call, from nginx or the client (when it is sane), else
 made here. It is bound into the log context as `trace_id` for the whole call, returned in
-the response's X-Request-ID header, and stored with a submitted request (submit.py), so
+the response's X-Request-ID header (on a /v1 answer, which names its durable request
+there as OpenAI's API does, in X-Trace-ID instead), and stored with a submitted request (submit.py), so
 the dispatcher and the binder log under it too (gateway.common.logs).
 
 Each call ends with one access line (method, path, status, duration): the line that
@@ -23,6 +24,7 @@ from gateway.common.logs import bind_request_ids, clear_request_ids
 log = logging.getLogger("gateway.access")
 
 HEADER = "X-Request-ID"
+TRACE_HEADER = "X-Trace-ID"  # where the call's id goes when X-Request-ID names the request
 _HEADER_KEY = HEADER.lower().encode()
 MAX_LENGTH = 128
 # nginx's $request_id (32 hex), UUIDs, ULIDs, W3C trace ids, "abc-123": letters, digits and
@@ -75,7 +77,11 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                MutableHeaders(scope=message)[HEADER] = trace_id
+                headers = MutableHeaders(scope=message)
+                if HEADER in headers:  # a /v1 answer: x-request-id names the durable request, as OpenAI's does
+                    headers[TRACE_HEADER] = trace_id
+                else:
+                    headers[HEADER] = trace_id
             await send(message)
 
         try:
