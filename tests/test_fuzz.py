@@ -7,10 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gateway.server.tenants.cli import ensure_local_key
+
 
 def test_no_generated_request_gets_a_5xx_or_hangs(stack, tmp_path: Path) -> None:
+    # Its own Redis db and MongoDB database, with an admin key of its own: the fuzzer calls
+    # the admin routes too (tenant limits, keys), which must not change the shared stack.
+    database = "fuzz"
+    key, _ = ensure_local_key(tmp_path / "api_key", stack.launcher.mongo_url, database, tenant="fuzz")
     # Long-polls are capped at 5 s here, so any answer slower than the request timeout is a hang.
-    gateway, url = stack.start_gateway("gateway-fuzz", REDIS_URL=stack.redis_db_url(50), MAX_WAIT_S="5")
+    gateway, url = stack.start_gateway(
+        "gateway-fuzz", REDIS_URL=stack.redis_db_url(50), MONGO_DB=database, MAX_WAIT_S="5"
+    )
     try:
         command = [
             str(Path(sys.executable).parent / "schemathesis"),
@@ -35,7 +43,7 @@ def test_no_generated_request_gets_a_5xx_or_hangs(stack, tmp_path: Path) -> None
             "--exclude-path",
             "/metrics",
             "--header",
-            f"Authorization: Bearer {stack.api_key}",
+            f"Authorization: Bearer {key}",
         ]
         run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
         report = run.stdout[-6000:] + run.stderr[-2000:]

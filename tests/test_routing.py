@@ -83,10 +83,11 @@ async def test_under_strong_imbalance_they_spill_to_the_other_replica(two_replic
         records = await asyncio.gather(*(wait_result(client, rid, timeout=120) for rid in ids))
     replicas = {r["replica"] for r in records}
     assert replicas == set(two_replicas["replicas"]), "nothing spilled to the idle replica"
-    spilled = [r for r in records if r["replica"] != holder]
-    # Spilled by the imbalance rule, or because the holder's decode load outweighed the
-    # prefill it would save: never for the prefix.
-    assert spilled and all(r["route"]["reason"] in ("imbalance", "load") for r in spilled)
+    spilled = [r for r in records if r["replica"] != holder]  # in the order they were submitted
+    # The first spilled by the imbalance rule, or because the holder's decode load outweighed
+    # the prefill it would save; later ones may follow the prefix it left there.
+    assert spilled[0]["route"]["reason"] in ("imbalance", "load")
+    assert all(r["route"]["reason"] in ("imbalance", "load", "prefix") for r in spilled)
 
 
 async def test_two_gateways_route_a_shared_prefix_alike(two_replicas) -> None:

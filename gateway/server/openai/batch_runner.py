@@ -50,7 +50,7 @@ from gateway.server.services import Services
 log = logging.getLogger(__name__)
 
 # Submission refusals that mean "not now" (the line is tried again), not "never".
-_LATER = {"backlog_full", "rate_limited", "tokens_limited", "redis_unavailable", "redis_full", "mongo_unavailable"}
+_LATER = {"backlog_full", "rate_limited", "token_rate_limited", "redis_unavailable", "redis_full", "mongo_unavailable"}
 _RENEW_EVERY_LINES = 500
 
 
