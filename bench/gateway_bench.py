@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,7 +43,8 @@ import tritonclient.grpc.aio as triton_aio
 from bench.stack import local_stack
 from gateway.server.models import ModelRegistry
 
-REGISTRY = ModelRegistry.from_file(None)
+# The local profile's registry, built once the stack says where the LLM's tokenizer is.
+REGISTRY: ModelRegistry | None = None
 SECTIONS = ("open", "closed", "ttft", "v1", "relay")
 STREAM_MODEL = "llm_synthetic"  # the engine contract with no compute: 20 ms per token
 
@@ -91,6 +93,7 @@ async def direct_stream(
     client: triton_aio.InferenceServerClient, model: str, inputs: dict, stream: bool
 ) -> AsyncIterator[int]:
     """Yields the number of tokens (pieces) in each response of a direct gRPC call."""
+    assert REGISTRY is not None
     adapter = REGISTRY.get(model)
     run = adapter.new_run(adapter.validate(inputs, {}))
     request = {"model_name": run.triton_model, "inputs": run.inputs(stream), "outputs": run.outputs()}
@@ -381,10 +384,13 @@ async def section_relay(args: argparse.Namespace, triton: triton_aio.InferenceSe
 
 
 async def run(args: argparse.Namespace, gateway_url: str, triton_url: str, api_key: str) -> str:
+    global REGISTRY
+    REGISTRY = ModelRegistry.from_file(None)
     triton = triton_aio.InferenceServerClient(triton_url)
     http = aiohttp.ClientSession(
         gateway_url,
-        connector=aiohttp.TCPConnector(limit=1024),
+        # Idle connections are dropped before the gateway's keep-alive (5 s) would close them.
+        connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
         timeout=aiohttp.ClientTimeout(total=120),
         headers={"Authorization": f"Bearer {api_key}"},
     )
@@ -436,7 +442,11 @@ def main() -> None:
     if args.gateway_url and args.triton_url:
         report = asyncio.run(run(args, args.gateway_url, args.triton_url, args.api_key))
     else:
-        with local_stack(gateway_workers=args.workers) as endpoints:
+        # The relay runs every stream at once: the gateway may keep that many on one replica.
+        inflight = str(max(32, args.streams + 8))
+        with local_stack(gateway_workers=args.workers, REPLICA_MAX_INFLIGHT=inflight) as endpoints:
+            assert endpoints.stack is not None
+            os.environ["LLM_MODEL_DIR"] = endpoints.stack.service_env["LLM_MODEL_DIR"]
             report = asyncio.run(run(args, endpoints.gateway, endpoints.triton_grpc, endpoints.api_key))
     if args.json:
         with open(args.json, "w") as out:

@@ -1,0 +1,82 @@
+"""Profile the gateway under load: runs the open-loop benchmark at one rate, records the
+gateway process with py-spy during the `sync` slice, and prints where its CPU goes, by
+package (each sample counted once, for the innermost frame of a known package).
+
+Run:  .venv/bin/python -m bench.profile_gateway --rate 200 --seconds 12
+Needs py-spy (`.venv/bin/pip install py-spy`); raw stacks are kept in --raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PACKAGES = [
+    "gateway/server/api", "gateway/server/tenants", "gateway/server/queue", "gateway/server/dispatch",
+    "gateway/server/results", "gateway/server/replicas", "gateway/server/models", "gateway/server/routing",
+    "gateway/server/metrics", "gateway/server/openai", "gateway/common", "starlette", "fastapi", "uvicorn",
+    "pydantic", "redis", "tritonclient", "grpc", "prometheus_client", "limits", "pymongo", "structlog",
+    "logging", "json", "httptools", "asyncio", "tenacity", "sse_starlette", "contextlib", "threading",
+]  # fmt: skip
+WARM_UP_S = 6.0  # the benchmark warms every path for 2 s first
+
+
+def summarize(raw: Path) -> str:
+    total = 0
+    by_package: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        samples = int(count)
+        total += samples
+        for frame in reversed(stack.split(";")):
+            found = re.search(r"\((.*?):\d+\)", frame)
+            package = next((p for p in PACKAGES if found and p in found.group(1)), None)
+            if package:
+                by_package[package] += samples
+                break
+        else:
+            by_package["(other)"] += samples
+    lines = [f"{total} samples", "", "| package | share |", "| --- | --- |"]
+    lines += [f"| {name} | {count / total:.1%} |" for name, count in by_package.most_common()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=200)
+    parser.add_argument("--seconds", type=float, default=12, help="how long to record (the slice is 2 s longer)")
+    parser.add_argument("--raw", type=Path, default=Path("/tmp/gateway-profile.txt"))
+    args = parser.parse_args()
+    slice_s = args.seconds + 2
+    log = Path("/tmp/gateway-profile-bench.log")
+    command = [sys.executable, "-m", "bench.gateway_bench", "--sections", "open", "--rates", f"{args.rate:g}"]
+    command += ["--slice", f"{slice_s:g}", "--rounds", "1"]
+    with log.open("w") as err:
+        bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            pid = None
+            deadline = time.monotonic() + 300
+            while pid is None:
+                if time.monotonic() > deadline or bench.poll() is not None:
+                    sys.exit(f"the stack did not start; see {log}")
+                found = re.search(r"gateway +ready.*?pid (\d+)", log.read_text())
+                pid = int(found.group(1)) if found else None
+                time.sleep(0.5)
+            time.sleep(WARM_UP_S + slice_s + 1)  # past the warm-up and the direct slice
+            spy = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "--nonblocking"]
+            spy += ["-d", f"{args.seconds:g}", "-r", "200", "-f", "raw", "-o", str(args.raw)]
+            subprocess.run(spy, check=True, capture_output=True)
+        finally:
+            bench.wait()
+    print(summarize(args.raw))
+
+
+if __name__ == "__main__":
+    main()
