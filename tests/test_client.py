@@ -92,8 +92,9 @@ def test_submit_with_wait_returns_the_record_itself(client) -> None:
 
 
 def test_generate_gives_the_same_text_as_submit_and_wait(client) -> None:
-    text = client.generate("Once upon", 12, parameters=SAMPLING)
-    accepted = client.submit("llm", llm("Once upon", 12), parameters=SAMPLING)
+    text = client.generate("Once upon", 12, parameters=SAMPLING)  # the prompt as a user turn
+    chat = {"messages": [{"role": "user", "content": "Once upon"}], "max_tokens": 12}
+    accepted = client.submit("llm", chat, parameters=SAMPLING)
     assert text and text == client.wait(accepted.request_id).outputs["text_output"]
 
 

@@ -221,8 +221,14 @@ def _text_of(record: ResultRecord) -> str:
     return (record.outputs or {}).get("text_output", "")
 
 
-def _llm_inputs(prompt: str, max_tokens: int, stop_words: list[str] | None) -> dict[str, Any]:
-    inputs: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens}
+def _llm_inputs(prompt: str, max_tokens: int, stop_words: list[str] | None, *, raw: bool = False) -> dict[str, Any]:
+    """The prompt as one user turn (the model's chat template applies: what an instruct
+    model expects), or as raw text to continue."""
+    inputs: dict[str, Any] = (
+        {"text_input": prompt, "max_tokens": max_tokens}
+        if raw
+        else {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    )
     if stop_words:
         inputs["stop_words"] = stop_words
     return inputs

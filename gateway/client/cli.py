@@ -22,6 +22,7 @@ from rich.live import Live
 from rich.spinner import Spinner
 
 from gateway.client import DEFAULT_URL, GatewayClient, GatewayError
+from gateway.client.base import _llm_inputs
 from gateway.protocol import EventKind, ResultRecord, State
 
 app = typer.Typer()
@@ -149,7 +150,7 @@ def _summary(record: ResultRecord) -> dict[str, Any]:
 
 
 def _infer_inputs(
-    prompt: str | None, model: str | None, image: Path | None, max_tokens: int
+    prompt: str | None, model: str | None, image: Path | None, max_tokens: int, raw: bool = False
 ) -> tuple[str, dict[str, Any]]:
     if image is not None:
         model = model or "clip_image"
@@ -161,8 +162,9 @@ def _infer_inputs(
     model = model or "llm"
     if not prompt:
         raise typer.BadParameter("give a PROMPT (or --image PATH for clip_image)", param_hint="PROMPT")
-    if model == "llm":
-        return model, {"text_input": prompt, "max_tokens": max_tokens}
+    if model.startswith("llm"):
+        # The ensemble takes text only; engine models take the prompt as a chat turn.
+        return model, _llm_inputs(prompt, max_tokens, None, raw=raw or model == "llm_ensemble")
     if model == "clip_image":
         raise typer.BadParameter("clip_image embeds an image: give --image PATH", param_hint="--image")
     return model, {"text": prompt}  # the gateway names the models it serves if this one is unknown
@@ -241,6 +243,7 @@ def infer(
     ] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="llm: tokens to generate at most")] = 64,
     stream: Annotated[bool, typer.Option("--stream", help="llm: print the text as it is generated")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="llm: continue the prompt as raw text (no chat template)")] = False,
     stop_after_ms: Annotated[
         int | None, typer.Option(min=1, help="Cancel the request after N ms and print what arrived by then")
     ] = None,
@@ -258,7 +261,7 @@ def infer(
     url: Url = DEFAULT_URL,
 ) -> None:
     """Run a request and print its result: the text (llm), or a JSON summary (embeddings)."""
-    model_name, inputs = _infer_inputs(prompt, model, image, max_tokens)
+    model_name, inputs = _infer_inputs(prompt, model, image, max_tokens, raw)
     parameters = _parameters(param or [], seed)
     progress = Progress("request", "submitting")
     stopper: _StopAfter | None = None

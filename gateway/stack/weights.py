@@ -15,7 +15,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEMO_MARKER = "demo_model.json"
-DEMO_NOTE = "DEMO: randomly initialised weights, output is noise; see README 'Real weights'"
+DEMO_NOTE = "DEMO: randomly initialised weights, output is noise; see README 'Models of the local profile'"
 
 # Text for training the demo tokenizer: any English will do, it only shapes the merges.
 _CORPUS = """
