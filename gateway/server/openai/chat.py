@@ -100,37 +100,32 @@ def text_completion(record: Any, model: str) -> dict[str, Any]:
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, who: Annotated[Caller, Depends(caller)]
 ) -> Any:
-    svc = services(request)
-    native = chat_request(body, svc)
-    request_id = await common.start(svc, who, request, native)
-    headers = {"x-request-id": request_id}
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if body.stream:
-        return EventSourceResponse(
-            _chunks(svc, request_id, body.model, chat=True, include_usage=include_usage),
-            ping=svc.settings.sse_ping_s,
-            headers=headers,
-        )
-    record = await common.wait_record(svc, who, request_id, svc.settings.default_timeout_s)
-    common.raise_for_record(record)
-    return JSONResponse(chat_completion(record, body.model), headers=headers)
+    return await _answer(request, who, body, chat_request(body, services(request)), chat=True)
 
 
 @router.post("/completions", summary="Create a completion (OpenAI, legacy)")
 async def create_completion(body: CompletionRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
+    return await _answer(request, who, body, completion_request(body, services(request)), chat=False)
+
+
+async def _answer(
+    request: Request, who: Caller, body: ChatCompletionRequest | CompletionRequest, native: InferRequest, *, chat: bool
+) -> Any:
+    """Queue the request; stream its chunks, or wait for it and answer in one piece."""
     svc = services(request)
-    request_id = await common.start(svc, who, request, completion_request(body, svc))
+    request_id = await common.start(svc, who, request, native)
     headers = {"x-request-id": request_id}
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(
-            _chunks(svc, request_id, body.model, chat=False, include_usage=include_usage),
+            _chunks(svc, request_id, body.model, chat=chat, include_usage=include_usage),
             ping=svc.settings.sse_ping_s,
             headers=headers,
         )
     record = await common.wait_record(svc, who, request_id, svc.settings.default_timeout_s)
     common.raise_for_record(record)
-    return JSONResponse(text_completion(record, body.model), headers=headers)
+    shape = chat_completion if chat else text_completion
+    return JSONResponse(shape(record, body.model), headers=headers)
 
 
 async def _chunks(

@@ -194,7 +194,20 @@ class Engine:
 # -- compute backends -----------------------------------------------------------------------
 
 
-class HfBackend:
+class ContextWindow:
+    """What both backends check of a prompt against their context length."""
+
+    context_length: int
+
+    def check(self, prompt: list[int], max_new: int) -> None:
+        if len(prompt) >= self.context_length:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the {self.context_length}-token context")
+
+    def budget(self, prompt: list[int], max_new: int) -> int:
+        return min(max_new, self.context_length - len(prompt))
+
+
+class HfBackend(ContextWindow):
     """A Hugging Face causal LM; each sequence keeps its own KV cache (DynamicCache)."""
 
     def __init__(self, model_dir: str, *, device: str = "cpu", dtype: str = "float32") -> None:
@@ -208,13 +221,6 @@ class HfBackend:
         self.context_length = int(
             getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 2048
         )
-
-    def check(self, prompt: list[int], max_new: int) -> None:
-        if len(prompt) >= self.context_length:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the {self.context_length}-token context")
-
-    def budget(self, prompt: list[int], max_new: int) -> int:
-        return min(max_new, self.context_length - len(prompt))
 
     def context(self, sequence: Sequence, cache: BlockCache) -> int:
         from transformers import DynamicCache
@@ -296,7 +302,7 @@ class HfBackend:
         return int(torch.multinomial(probs, 1, generator=sequence.state[1]))
 
 
-class SyntheticBackend:
+class SyntheticBackend(ContextWindow):
     """No model: costs and tokens only (see the module docstring)."""
 
     def __init__(
@@ -309,13 +315,6 @@ class SyntheticBackend:
         self.decode_s = decode_us / 1e6
         self.context_length = context_length
         self._next_decode = 0.0
-
-    def check(self, prompt: list[int], max_new: int) -> None:
-        if len(prompt) >= self.context_length:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the {self.context_length}-token context")
-
-    def budget(self, prompt: list[int], max_new: int) -> int:
-        return min(max_new, self.context_length - len(prompt))
 
     def context(self, sequence: Sequence, cache: BlockCache) -> int:
         tpb = cache.tokens_per_block
