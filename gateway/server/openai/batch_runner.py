@@ -261,8 +261,8 @@ class BatchRunner:
         batch_id = batch["_id"]
         outstanding = [d async for d in self.store.lines.find({"batch": batch_id, "outcome": SUBMITTED})]
         outstanding = await self._collect(batch, outstanding)
-        fresh = await self.store.batches.find_one({"_id": batch_id}) or batch
-        stopping = fresh["status"] == "cancelling"
+        # `batch` is what the lease renewal just returned: a cancel since then is seen next round.
+        stopping = batch["status"] == "cancelling"
         expired = time.time() >= batch["expires_at"]
         if stopping or expired:
             for line in outstanding:
