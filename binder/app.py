@@ -28,8 +28,8 @@ from binder.index.vectors import VectorIndex
 from binder.metrics import BinderMetrics
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue, WebhookSender
-from gateway.common import redis as redis_clients
 from gateway.common.logs import configure_logging
+from gateway.common.redis import MAX_BLOCK_MS, RedisClients
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, supervise
 
@@ -68,9 +68,14 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = redis_clients.connect(
-            settings.redis_url, timeout_s=settings.redis_timeout_s, max_connections=64, blocking=True
+        # Blocking reads share the main client: its timeouts allow for the longest block.
+        clients = RedisClients.open(
+            url=settings.redis_url,
+            cluster_nodes=settings.redis_cluster_nodes,
+            timeout_s=settings.redis_timeout_s + MAX_BLOCK_MS / 1000,
+            max_connections=64,
         )
+        redis = clients.main
         timeout_ms = int(settings.mongo_timeout_s * 1000)
         mongo: AsyncMongoClient = AsyncMongoClient(
             settings.mongo_url, tz_aware=True, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
@@ -79,7 +84,14 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
         queue = WebhookQueue(redis, lease_s=settings.webhook_lease_s)
         archiver = Archiver(redis, store, queue, settings)
         index = VectorIndex(settings.faiss_dir)
-        follower = IndexFollower(redis, index, store, snapshot_interval_s=settings.snapshot_interval_s)
+        follower = IndexFollower(
+            redis,
+            index,
+            store,
+            shards=archiver.shards,
+            reader=clients.reader,
+            snapshot_interval_s=settings.snapshot_interval_s,
+        )
 
         async def webhook_status(request_id: str, outcome: str, attempts: list[dict[str, Any]]) -> None:
             metrics.webhook_outcomes.labels(outcome).inc()
@@ -112,7 +124,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             await sender.close()
             await follower.close()
             await mongo.close()
-            await redis.aclose()
+            await clients.aclose()
 
     app = FastAPI(title="binder (internal)", lifespan=lifespan)
 
@@ -128,7 +140,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             "status": status,
             "stored": parts.archiver.stored_total,
             "index": {space: parts.index.ntotal(space) for space in parts.index.spaces},
-            "last_applied": parts.index.last_id,
+            "last_applied": parts.index.positions,
             "failing": failing,
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -136,7 +148,8 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus metrics: the results stream's lag, webhook outcomes, results stored."""
-        await metrics.refresh(binder(request).archiver.redis)
+        archiver = binder(request).archiver
+        await metrics.refresh(archiver.redis, archiver.shards)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/search")

@@ -1,7 +1,7 @@
-"""The archiver: reads the `results` stream as a member of the binders' consumer group
-(the shared consumer core, gateway.common.streams), in batches, writes one MongoDB
-document per request, and acknowledges an entry only after MongoDB acknowledged its
-write. Stored results get their webhooks queued.
+"""The archiver: reads every shard's `results` stream as a member of the binders'
+consumer group (the shared consumer core, gateway.common.streams), in batches, writes
+one MongoDB document per request, and acknowledges an entry only after MongoDB
+acknowledged its write. Stored results get their webhooks queued.
 
 Recovery needs no lock: entries left pending by a dead binder are reclaimed once idle;
 an entry delivered too often goes to the dead-letter stream with its error (and can be
@@ -26,7 +26,7 @@ from gateway.common.logs import request_ids_bound
 from gateway.common.result_store import ResultStore
 from gateway.common.streams import Entry, StreamConsumer
 from gateway.protocol import ResultRecord
-from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_DEAD_LETTERS, RESULTS_STREAM, request_key
+from gateway.protocol.redis_keys import BINDER_GROUP, Shard, all_shards, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -54,59 +54,73 @@ class Archiver:
         self.store = store
         self.webhooks = webhooks
         self.settings = settings
-        self.consumer = StreamConsumer(
-            redis,
-            BINDER_GROUP,
-            settings.binder_name,
-            RESULTS_DEAD_LETTERS,
-            claim_idle_ms=settings.claim_idle_ms,
-            max_deliveries=settings.max_deliveries,
-            explain=self._explain,
-        )
+        self.shards = all_shards(settings.redis_shards)
+        self.consumers = {
+            shard.index: StreamConsumer(
+                redis,
+                BINDER_GROUP,
+                settings.binder_name,
+                shard.results_dead,
+                claim_idle_ms=settings.claim_idle_ms,
+                max_deliveries=settings.max_deliveries,
+                explain=self._explain,
+            )
+            for shard in self.shards
+        }
         self._mark_stored = redis.register_script(MARK_STORED)
         self.stored_total = 0
         self.prepared = False
 
     async def prepare(self) -> None:
-        """MongoDB's indexes and the consumer group (in run(), so a binder started while
+        """MongoDB's indexes and the consumer groups (in run(), so a binder started while
         MongoDB or Redis is down comes up, says so on /healthz, and goes on once they return)."""
         await self.store.prepare()
-        await self.consumer.ensure_group(RESULTS_STREAM)
+        for shard in self.shards:
+            await self.consumers[shard.index].ensure_group(shard.results)
         self.prepared = True
 
     async def run(self) -> None:
         """Store results for good (returns only by failing; the caller restarts it)."""
         if not self.prepared:
             await self.prepare()
-        await self._drain_own_pending()
+        await asyncio.gather(*(self._run_shard(shard) for shard in self.shards))
+
+    async def _run_shard(self, shard: Shard) -> None:
+        consumer = self.consumers[shard.index]
+        stream = shard.results
+        await self._drain_own_pending(consumer, stream)
         last_reclaim = last_trim = time.monotonic()
         batch = self.settings.batch_size
         while True:
-            entries = await self.consumer.read({RESULTS_STREAM: batch}, block_ms=self.settings.block_ms)
+            entries = await consumer.read({stream: batch}, block_ms=self.settings.block_ms)
             if entries and len(entries) < batch and self.settings.linger_ms:
                 await asyncio.sleep(self.settings.linger_ms / 1000)
-                entries += await self.consumer.read({RESULTS_STREAM: batch - len(entries)}, block_ms=None)
+                entries += await consumer.read({stream: batch - len(entries)}, block_ms=None)
             if entries:
-                await self.process(entries)
+                await self.process(entries, consumer)
             now = time.monotonic()
             if now - last_reclaim >= self.settings.claim_idle_ms / 2000:
                 last_reclaim = now
-                reclaimed = await self.consumer.reclaim(RESULTS_STREAM, batch)
+                reclaimed = await consumer.reclaim(stream, batch)
                 if reclaimed:
-                    log.info("reclaimed %d result entries", len(reclaimed))
-                    await self.process(reclaimed)
+                    log.info("reclaimed %d result entries of %s", len(reclaimed), stream)
+                    await self.process(reclaimed, consumer)
             if now - last_trim >= TRIM_EVERY_S:
                 last_trim = now
-                await self.consumer.trim(RESULTS_STREAM, keep_newer_than_s=STREAM_KEEP_S)
+                await consumer.trim(stream, keep_newer_than_s=STREAM_KEEP_S)
 
-    async def _drain_own_pending(self) -> None:
+    async def _drain_own_pending(self, consumer: StreamConsumer, stream: str) -> None:
         """After a restart under the same name: what we had read but not acknowledged."""
-        while entries := await self.consumer.read_own_pending(RESULTS_STREAM, self.settings.batch_size):
-            if not await self.process(entries):
+        while entries := await consumer.read_own_pending(stream, self.settings.batch_size):
+            if not await self.process(entries, consumer):
                 return  # what is left keeps failing; reclaim counts its deliveries
 
-    async def process(self, entries: list[Entry]) -> int:
-        """Store a batch; returns how many entries were acknowledged."""
+    async def process(self, entries: list[Entry], consumer: StreamConsumer | None = None) -> int:
+        """Store a batch of one shard's entries; returns how many were acknowledged."""
+        if not entries:
+            return 0
+        stream = entries[0].stream
+        consumer = consumer or self._consumer_of(stream)
         records: dict[str, ResultRecord] = {}
         entry_of: dict[str, list[str]] = {}
         for entry in entries:
@@ -131,10 +145,10 @@ class Archiver:
                     log.debug("stored %s (%s)", request_id, records[request_id].status.value)
         if not outcome.stored:
             return 0
-        await self._mark_stored(keys=[request_key(rid) for rid in outcome.stored])
+        await self._mark_stored(keys=[shard_of(rid).request(rid) for rid in outcome.stored])
         await self.webhooks.enqueue([records[rid] for rid in outcome.stored])
         acked = [entry for rid in outcome.stored for entry in entry_of[rid]]
-        await self.consumer.ack(RESULTS_STREAM, *acked)
+        await consumer.ack(stream, *acked)
         self.stored_total += len(outcome.stored)
         return len(acked)
 
@@ -146,15 +160,22 @@ class Archiver:
             return f"not a result record: {str(exc).splitlines()[0]}"
         return "storing failed repeatedly"
 
+    def _consumer_of(self, stream: str) -> StreamConsumer:
+        for shard in self.shards:
+            if shard.results == stream:
+                return self.consumers[shard.index]
+        raise ValueError(f"{stream} is not a results stream")
+
     async def replay_dead_letters(self, limit: int = 1000) -> int:
-        """Put dead-lettered results back on the results stream (after the cause, say a
+        """Put dead-lettered results back on their results streams (after the cause, say a
         MongoDB problem, is fixed). Returns how many were requeued."""
-        entries = await self.redis.xrange(RESULTS_DEAD_LETTERS, count=limit)
         requeued = 0
-        for entry_id, fields in entries:
-            original = json.loads(fields.get("fields") or "{}")
-            if original.get("record"):
-                await self.redis.xadd(RESULTS_STREAM, original)
-                requeued += 1
-            await self.redis.xdel(RESULTS_DEAD_LETTERS, entry_id)
+        for shard in self.shards:
+            entries = await self.redis.xrange(shard.results_dead, count=limit)
+            for entry_id, fields in entries:
+                original = json.loads(fields.get("fields") or "{}")
+                if original.get("record"):
+                    await self.redis.xadd(shard.results, original)
+                    requeued += 1
+                await self.redis.xdel(shard.results_dead, entry_id)
         return requeued

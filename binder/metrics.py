@@ -1,7 +1,8 @@
 """Prometheus metrics of one binder process (GET /metrics).
 
-The lag of the `results` stream is the binders' group's, the same whichever binder is
-asked: take max() over binders, not sum(). It is read from Redis when scraped."""
+The lag of the `results` streams (summed over the shards) is the binders' group's, the
+same whichever binder is asked: take max() over binders, not sum(). It is read from
+Redis when scraped."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_STREAM
+from gateway.protocol.redis_keys import BINDER_GROUP, Shard
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,16 @@ class BinderMetrics:
         )
         r.register(_StoredTotal(stored))
 
-    async def refresh(self, redis: Redis) -> None:
+    async def refresh(self, redis: Redis, shards: list[Shard]) -> None:
         """Read the group's lag and pending count; NaN when Redis cannot say (an outage)."""
         lag: float
         pending: float
         try:
-            lag, pending = await results_backlog(redis)
+            lag = pending = 0
+            for shard in shards:
+                shard_lag, shard_pending = await results_backlog(redis, shard.results)
+                lag += shard_lag
+                pending += shard_pending
         except RedisError as exc:
             log.warning("reading the results stream's lag failed: %s", exc)
             lag = pending = math.nan
@@ -69,20 +74,20 @@ class BinderMetrics:
         self.results_pending.set(pending)
 
 
-async def results_backlog(redis: Redis) -> tuple[int, int]:
-    """(lag, pending) of the binders' group on the results stream: entries no binder has
+async def results_backlog(redis: Redis, stream: str) -> tuple[int, int]:
+    """(lag, pending) of the binders' group on a results stream: entries no binder has
     read yet, and entries read but not acknowledged (stored)."""
     try:
-        groups = await redis.xinfo_groups(RESULTS_STREAM)
+        groups = await redis.xinfo_groups(stream)
     except ResponseError as exc:
         if "no such key" in str(exc).lower():
             return 0, 0  # nothing was ever published
         raise
     group = next((g for g in groups if g["name"] == BINDER_GROUP), None)
     if group is None:  # no binder has started yet: every entry waits
-        return int(await redis.xlen(RESULTS_STREAM)), 0
+        return int(await redis.xlen(stream)), 0
     pending = int(group["pending"])
     lag = group.get("lag")
     if lag is None:  # Redis < 7, or 7 after deletions it cannot count past
-        lag = await redis.eval(COUNT_AFTER, 1, RESULTS_STREAM, group["last-delivered-id"], LAG_COUNT_LIMIT)
+        lag = await redis.eval(COUNT_AFTER, 1, stream, group["last-delivered-id"], LAG_COUNT_LIMIT)
     return int(lag), pending

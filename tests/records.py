@@ -7,7 +7,9 @@ import time
 import numpy as np
 
 from gateway.protocol import IndexRef, ResultRecord, State, WebhookSpec, new_request_id, utc
-from gateway.protocol.redis_keys import RESULTS_STREAM
+from gateway.protocol.redis_keys import Shard
+
+RESULTS_STREAM = Shard(0).results  # the local stack has one shard
 
 
 def unit_vectors(count: int, dim: int, seed: int = 0) -> np.ndarray:

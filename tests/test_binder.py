@@ -19,7 +19,10 @@ from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
 from gateway.common.result_store import DUPLICATE_KEY, RESULTS_COLLECTION, ResultStore
 from gateway.common.streams import Entry
-from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_DEAD_LETTERS, RESULTS_STREAM
+from gateway.protocol.redis_keys import BINDER_GROUP, Shard
+
+RESULTS_STREAM = Shard(0).results
+RESULTS_DEAD_LETTERS = Shard(0).results_dead
 from gateway.stack.process import free_port
 from gateway.stack.services import binder_spec
 from tests.conftest import AUTH, kill_by_pid
@@ -169,7 +172,7 @@ async def test_killed_between_the_mongodb_write_and_the_ack_stores_no_duplicate(
     async def crash(*args, **kwargs):
         raise CrashBeforeAck  # the process dies right after MongoDB acknowledged the write
 
-    crashing.consumer.redis = _FailingAck(redis, crash)
+    crashing.consumers[0].redis = _FailingAck(redis, crash)
     read = (await redis.xreadgroup(BINDER_GROUP, "crashing", {RESULTS_STREAM: ">"}, count=100))[0][1]
     entries = [Entry(RESULTS_STREAM, entry_id, fields) for entry_id, fields in read]
     with pytest.raises(CrashBeforeAck):
@@ -180,7 +183,7 @@ async def test_killed_between_the_mongodb_write_and_the_ack_stores_no_duplicate(
     await asyncio.sleep(0.3)
     heir = Archiver(redis, store, WebhookQueue(redis), _settings(isolated, stack, "heir", claim_idle_ms=200))
     # XAUTOCLAIM the dead consumer's entries and store them again
-    await heir.process(await heir.consumer.reclaim(RESULTS_STREAM, 100))
+    await heir.process(await heir.consumers[0].reclaim(RESULTS_STREAM, 100))
     assert await _documents(mongo, isolated["MONGO_DB"]) == len(records)
     assert await _pending(isolated["REDIS_URL"]) == 0
     await redis.aclose()
@@ -251,11 +254,11 @@ async def test_dead_lettered_results_are_stored_once_replayed(stack, mongo, isol
     unreachable: AsyncMongoClient = AsyncMongoClient(f"mongodb://127.0.0.1:{free_port()}", serverSelectionTimeoutMS=200)
     settings = _settings(isolated, stack, "doomed", claim_idle_ms=100, max_deliveries=1)
     doomed = Archiver(redis, ResultStore(unreachable, isolated["MONGO_DB"], 3600), WebhookQueue(redis), settings)
-    await doomed.consumer.ensure_group(RESULTS_STREAM)
+    await doomed.consumers[0].ensure_group(RESULTS_STREAM)
     records = mixed_records(12, seed=5)
     await publish(redis, records)
     with pytest.raises(StoreUnavailable):
-        await doomed.process(await doomed.consumer.read({RESULTS_STREAM: 100}, block_ms=None))
+        await doomed.process(await doomed.consumers[0].read({RESULTS_STREAM: 100}, block_ms=None))
     await _until(lambda: _dead_lettered_after_reclaim(doomed, len(records)), timeout=10, interval=0.15)
     await unreachable.close()
 
@@ -273,7 +276,7 @@ async def test_dead_lettered_results_are_stored_once_replayed(stack, mongo, isol
 
 
 async def _dead_lettered_after_reclaim(archiver: Archiver, expected: int) -> bool:
-    await archiver.consumer.reclaim(RESULTS_STREAM, 100)
+    await archiver.consumers[0].reclaim(RESULTS_STREAM, 100)
     return await archiver.redis.xlen(RESULTS_DEAD_LETTERS) == expected
 
 

@@ -14,12 +14,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.protocol import new_request_id
-from gateway.protocol.redis_keys import BACKLOG, DEADLINES, queue_stream, request_key
-from gateway.server.queue.jobs import JobStore
+from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.jobs import Admission, JobStore, NewRequest
 from gateway.stack.process import free_port
 from gateway.stack.services import redis_spec
 from tests.conftest import AUTH, kill_by_pid
 from tests.gateway_calls import llm_body, read_events, submit, wait_result
+
+SHARD = Shard(0)  # the local stack has one shard
 
 CLOSED = "127.0.0.1:9"  # nothing listens on the discard port
 
@@ -236,37 +238,32 @@ async def jobs(stack):
     await client.aclose()
 
 
-async def _submit(store: JobStore, request_id: str, stream: str) -> str:
+async def _submit(store: JobStore, request_id: str) -> str:
     now = time.time()
     submitted = await store.submit(
-        request_id=request_id,
+        [NewRequest(request_id, {"inputs": {}}, now, now + 60)],
         model="llm",
         tenant="default",
-        payload={"inputs": {}},
-        created_at=now,
-        deadline=now + 60,
-        stream=stream,
         band="normal",
-        max_backlog=100,
-        max_backlog_bytes=10**9,
+        admission=Admission(max_backlog=100, max_batch_backlog=100, max_bytes=10**9),
     )
     return submitted.outcome
 
 
 async def test_a_submit_replayed_by_a_client_retry_queues_once_and_counts_once(jobs) -> None:
     store, client = jobs
-    request_id, stream = new_request_id(), queue_stream("llm", "normal", "default")
-    assert await _submit(store, request_id, stream) == "accepted"
-    assert await _submit(store, request_id, stream) == "accepted"  # the same call, replayed
-    assert await client.xlen(stream) == 1
-    assert await client.hget(BACKLOG, "all") == "1"
+    request_id = new_request_id()
+    assert await _submit(store, request_id) == "accepted"
+    assert await _submit(store, request_id) == "accepted"  # the same call, replayed
+    assert await client.llen(SHARD.queue("llm", "normal", "default")) == 1
+    assert await client.hget(SHARD.backlog, "all") == "1"
 
 
 async def test_cancelling_a_request_whose_state_expired_creates_nothing(jobs) -> None:
     store, client = jobs
     request_id = new_request_id()
     assert await store.cancel(request_id) is None
-    assert await client.exists(request_key(request_id)) == 0
+    assert await client.exists(SHARD.request(request_id)) == 0
 
 
 async def test_one_broken_request_does_not_stop_the_expiry_of_the_others(stack) -> None:
@@ -274,8 +271,8 @@ async def test_one_broken_request_does_not_stop_the_expiry_of_the_others(stack) 
     client = aioredis.from_url(redis_url, decode_responses=True)
     await client.flushdb()
     broken = new_request_id()
-    await client.hset(request_key(broken), mapping={"state": "no-such-state", "payload": "{not json"})
-    await client.zadd(DEADLINES, {broken: time.time() - 10})
+    await client.hset(SHARD.request(broken), mapping={"state": "no-such-state", "payload": "{not json"})
+    await client.zadd(SHARD.deadlines, {broken: time.time() - 10})
     gateway, url = stack.start_gateway(
         "gateway-sweep", ready_path="/healthz", REDIS_URL=redis_url, TRITON_GRPC_URLS=CLOSED
     )

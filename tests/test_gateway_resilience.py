@@ -22,6 +22,9 @@ async def test_a_full_backlog_answers_429_with_retry_after(stack) -> None:
         REDIS_URL=stack.redis_db_url(5),
         TRITON_GRPC_URLS="127.0.0.1:9",
         MAX_BACKLOG="3",
+        # One tenant may fill this backlog (by default it may hold only a share of it).
+        TENANT_BACKLOG_SHARE="1",
+        TENANT_BACKLOG_RESERVE="0",
         RETRY_AFTER_S="2",
     )
     try:

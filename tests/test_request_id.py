@@ -29,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from binder.metrics import results_backlog
 from gateway.deploy.nginx import ensure_nginx, write_local_conf
 from gateway.protocol import ResultRecord
-from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_STREAM
+from gateway.protocol.redis_keys import BINDER_GROUP, Shard
+
+RESULTS_STREAM = Shard(0).results
 from gateway.stack.process import free_port
 from tests.conftest import AUTH
 from tests.gateway_calls import wait_result
@@ -358,16 +360,16 @@ async def test_results_lag_counts_unread_entries_and_pending_counts_unstored_one
     await lag_redis.xgroup_create(RESULTS_STREAM, BINDER_GROUP, id="0", mkstream=True)
     await publish(lag_redis, [text_record(f"r{i}") for i in range(5)])
     await lag_redis.xreadgroup(BINDER_GROUP, "binder-x", {RESULTS_STREAM: ">"}, count=2)  # read, not acknowledged
-    assert await results_backlog(lag_redis) == (3, 2)
+    assert await results_backlog(lag_redis, RESULTS_STREAM) == (3, 2)
 
 
 async def test_results_lag_is_the_whole_stream_before_any_binder_joined(lag_redis) -> None:
     await publish(lag_redis, [text_record(f"r{i}") for i in range(4)])
-    assert await results_backlog(lag_redis) == (4, 0)
+    assert await results_backlog(lag_redis, RESULTS_STREAM) == (4, 0)
 
 
 async def test_results_lag_is_zero_before_anything_was_published(lag_redis) -> None:
-    assert await results_backlog(lag_redis) == (0, 0)
+    assert await results_backlog(lag_redis, RESULTS_STREAM) == (0, 0)
 
 
 async def test_the_binder_exports_lag_webhook_outcomes_and_results_stored(traced, traced_request) -> None:

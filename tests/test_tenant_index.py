@@ -15,7 +15,9 @@ import redis.asyncio as aioredis
 
 from gateway.common.result_store import RESULTS_COLLECTION, ResultStore
 from gateway.protocol import ResultRecord
-from gateway.protocol.redis_keys import RESULTS_STREAM
+from gateway.protocol.redis_keys import Shard
+
+RESULTS_STREAM = Shard(0).results
 from tests.conftest import AUTH
 from tests.records import embedding_record, publish, unit_vectors
 

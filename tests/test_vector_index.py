@@ -27,6 +27,7 @@ from binder.index.follower import IndexFollower
 from binder.index.vectors import NEVER, Item, VectorIndex
 from gateway.common.result_store import RESULTS_COLLECTION, ResultStore
 from gateway.protocol.records import DEFAULT_TENANT
+from gateway.protocol.redis_keys import Shard
 from tests.conftest import AUTH
 from tests.records import embedding_record, publish, unit_vectors
 
@@ -38,6 +39,7 @@ CHILD = textwrap.dedent(
     import binder.index.vectors as vectors
     from binder.index.follower import IndexFollower
     from gateway.common.result_store import ResultStore
+    from gateway.protocol.redis_keys import Shard
 
     redis_url, mongo_url, database, directory = sys.argv[1:5]
     snapshots = 0
@@ -56,7 +58,7 @@ CHILD = textwrap.dedent(
         redis = aioredis.from_url(redis_url, decode_responses=True)
         store = ResultStore(AsyncMongoClient(mongo_url, tz_aware=True), database, 3600)
         index = vectors.VectorIndex(vectors.Path(directory))
-        follower = IndexFollower(redis, index, store, snapshot_interval_s=0, batch=100)
+        follower = IndexFollower(redis, index, store, shards=[Shard(0)], snapshot_interval_s=0, batch=100)
         await follower.prepare()
         await follower.run()
 
@@ -89,7 +91,9 @@ async def test_kill_during_a_snapshot_keeps_the_previous_one_and_replay_reaches_
     assert restored.ntotal("minilm") == 100  # the first, complete snapshot
 
     mongo: AsyncMongoClient = AsyncMongoClient(stack.mongo_url, tz_aware=True)
-    follower = IndexFollower(redis, restored, ResultStore(mongo, database, 3600), snapshot_interval_s=3600)
+    follower = IndexFollower(
+        redis, restored, ResultStore(mongo, database, 3600), shards=[Shard(0)], snapshot_interval_s=3600
+    )
     await follower.prepare()
     replay = asyncio.create_task(follower.run())
     await asyncio.wait_for(follower.caught_up.wait(), timeout=30)
@@ -118,12 +122,12 @@ def test_adding_a_request_id_again_adds_no_vector(tmp_path) -> None:
 def test_a_snapshot_round_trips_with_tenants_and_expiry(tmp_path) -> None:
     index = VectorIndex(tmp_path, use_gpu=False)
     vectors = unit_vectors(30, 16)
-    index.add(_items(vectors[:20], "a", "tenant-a", expires_at=2000.0), last_id="42-0", now=1000.0)
+    index.add(_items(vectors[:20], "a", "tenant-a", expires_at=2000.0), position=("results", "42-0"), now=1000.0)
     index.add(_items(vectors[20:], "b", "tenant-b"), now=1000.0)
     index.snapshot()
     loaded = VectorIndex(tmp_path, use_gpu=False)
     assert loaded.load()
-    assert loaded.last_id == "42-0"
+    assert loaded.positions == {"results": "42-0"}
     assert (loaded.ntotal("space", "tenant-a"), loaded.ntotal("space", "tenant-b")) == (20, 10)
     assert loaded.search("space", vectors[7].tolist(), 1, "tenant-a", now=1500.0)[0][0] == "a-7"
     assert loaded.search("space", vectors[7].tolist(), 1, "tenant-b", now=1500.0)[0][0].startswith("b-")

@@ -1,11 +1,11 @@
-"""Feeds the vector index from the results stream.
+"""Feeds the vector index from the results streams (one per Redis shard).
 
 Every binder keeps a full copy of the index, so any binder can answer a search: it
-reads the whole `results` stream (plain XREAD, not the consumer group, which splits
-entries between binders), from the last entry its snapshot applied. Without a
-snapshot, or when the stream was trimmed past that entry, it rebuilds from MongoDB
-and then replays all the stream still holds (results not yet stored are there; ids
-already present are skipped).
+reads every shard's whole `results` stream (plain XREAD, not the consumer group, which
+splits entries between binders), each from the last entry its snapshot applied. Without
+a snapshot, or when a stream was trimmed past that entry, it rebuilds from MongoDB and
+then replays all the streams still hold (results not yet stored are there; ids already
+present are skipped).
 
 Each vector keeps its result's tenant and expiry (the expires_at MongoDB's TTL acts
 on, computed the way the store computes it), so searches stay within a tenant and
@@ -21,6 +21,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from redis.asyncio import Redis
@@ -30,7 +31,7 @@ from gateway.common.result_store import ResultStore, embedding_from_document, ex
 from gateway.common.streams import stream_id_order
 from gateway.protocol import ResultRecord
 from gateway.protocol.records import DEFAULT_TENANT
-from gateway.protocol.redis_keys import RESULTS_STREAM
+from gateway.protocol.redis_keys import Shard
 
 log = logging.getLogger(__name__)
 
@@ -69,57 +70,87 @@ def item_from_document(document: dict) -> Item | None:
 
 class IndexFollower:
     def __init__(
-        self, redis: Redis, index: VectorIndex, store: ResultStore, *, snapshot_interval_s: float, batch: int = 512
+        self,
+        redis: Redis,
+        index: VectorIndex,
+        store: ResultStore,
+        *,
+        shards: list[Shard],
+        reader: Callable[[Shard], Awaitable[Redis]] | None = None,
+        snapshot_interval_s: float,
+        batch: int = 512,
     ) -> None:
+        """reader(shard): a client of one connection to the shard's Redis, for blocking
+        reads (default: the main client)."""
         self.redis = redis
         self.index = index
         self.store = store
+        self.shards = shards
+        self.reader = reader
         self.snapshot_interval_s = snapshot_interval_s
         self.batch = batch
         self.prepared = False
-        self.caught_up = asyncio.Event()
+        self.caught_up = asyncio.Event()  # every stream read to its end once
         self.snapshotting: asyncio.Task[None] | None = None
+        self._applied_since_snapshot = 0
+        self._last_snapshot = time.monotonic()
 
     async def prepare(self) -> None:
         loaded = await asyncio.to_thread(self.index.load)
-        if loaded and not await self._gap_after(self.index.last_id):
+        gaps = [await self._gap_after(shard) for shard in self.shards] if loaded else []
+        if loaded and not any(gaps):
             log.info(
                 "index snapshot loaded at %s: %s",
-                self.index.last_id,
+                self.index.positions,
                 {s: self.index.ntotal(s) for s in self.index.spaces},
             )
         else:
             await self.rebuild()
         self.prepared = True
 
-    async def _gap_after(self, last_id: str) -> bool:
-        """True when entries after last_id may have been trimmed from the stream."""
-        if not await self.redis.exists(RESULTS_STREAM):
+    async def _gap_after(self, shard: Shard) -> bool:
+        """True when entries after what the index applied may have been trimmed away."""
+        last_id = self.index.position(shard.results)
+        if not await self.redis.exists(shard.results):
             return False
-        first = await self.redis.xrange(RESULTS_STREAM, count=1)
+        first = await self.redis.xrange(shard.results, count=1)
         return bool(first) and stream_id_order(first[0][0]) > stream_id_order(last_id) and last_id != "0-0"
 
     async def rebuild(self) -> None:
-        """Everything MongoDB holds; run() then replays the stream from its start."""
+        """Everything MongoDB holds; run() then replays the streams from their start."""
         started = time.monotonic()
         items = []
         async for document in self.store.embeddings():
             item = item_from_document(document)
             if item:
                 items.append(item)
-        added = await asyncio.to_thread(self.index.add, items, "0-0")
+        self.index.positions = {}
+        added = await asyncio.to_thread(self.index.add, items)
         log.info("index rebuilt from MongoDB: %d vectors in %.1fs", added, time.monotonic() - started)
 
     async def run(self) -> None:
         if not self.prepared:  # at start, or after a failed start (MongoDB or Redis down)
             await self.prepare()
-        last_snapshot = last_sweep = time.monotonic()
-        applied_since_snapshot = 0
-        while True:
-            reply = await self.redis.xread({RESULTS_STREAM: self.index.last_id}, count=self.batch, block=1000)
-            if not reply:
-                self.caught_up.set()
-            else:
+        caught_up: set[int] = set()
+        followers = [asyncio.create_task(self._follow(shard, caught_up)) for shard in self.shards]
+        try:
+            await asyncio.gather(self._housekeeping(), *followers)
+        finally:
+            for task in followers:
+                task.cancel()
+            await asyncio.gather(*followers, return_exceptions=True)
+
+    async def _follow(self, shard: Shard, caught_up: set[int]) -> None:
+        reader = await self.reader(shard) if self.reader is not None else self.redis
+        try:
+            while True:
+                stream = shard.results
+                reply = await reader.xread({stream: self.index.position(stream)}, count=self.batch, block=1000)
+                if not reply:
+                    caught_up.add(shard.index)
+                    if len(caught_up) == len(self.shards):
+                        self.caught_up.set()
+                    continue
                 entries = reply[0][1]
                 items = []
                 for _, fields in entries:
@@ -129,15 +160,26 @@ class IndexFollower:
                         continue  # not a record; the storing side dead-letters it
                     if item:
                         items.append(item)
-                applied_since_snapshot += await asyncio.to_thread(self.index.add, items, entries[-1][0])
-            now = time.monotonic()
-            if now - last_sweep >= SWEEP_EVERY_S:
-                last_sweep = now
-                await asyncio.to_thread(self.index.forget_expired)
-            idle = self.snapshotting is None or self.snapshotting.done()
-            if applied_since_snapshot and idle and now - last_snapshot >= self.snapshot_interval_s:
-                self.snapshotting = asyncio.create_task(self._snapshot())
-                last_snapshot, applied_since_snapshot = now, 0
+                self._applied_since_snapshot += await asyncio.to_thread(self.index.add, items, (stream, entries[-1][0]))
+                self._maybe_snapshot()
+        finally:
+            if reader is not self.redis:
+                await reader.aclose()
+
+    async def _housekeeping(self) -> None:
+        """Sweep expired vectors now and then; snapshot what a quiet stream left unsnapshotted."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            await asyncio.to_thread(self.index.forget_expired)
+            self._maybe_snapshot()
+
+    def _maybe_snapshot(self) -> None:
+        """Start a snapshot in the background when one is due and none is being written."""
+        now = time.monotonic()
+        idle = self.snapshotting is None or self.snapshotting.done()
+        if self._applied_since_snapshot and idle and now - self._last_snapshot >= self.snapshot_interval_s:
+            self.snapshotting = asyncio.create_task(self._snapshot())
+            self._last_snapshot, self._applied_since_snapshot = now, 0
 
     async def _snapshot(self) -> None:
         try:

@@ -41,7 +41,9 @@ from gateway.protocol.records import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_FORMAT = 2  # 1 (no tenants, no expiry) is not loaded: the index is rebuilt instead
+# Older formats (1: no tenants, no expiry; 2: one results stream) are not loaded: the
+# index is rebuilt from MongoDB instead.
+SNAPSHOT_FORMAT = 3
 NEVER = float("inf")
 
 
@@ -155,7 +157,8 @@ class VectorIndex:
         self.directory = directory
         self.shards: dict[tuple[str, str], Shard] = {}
         self.dims: dict[str, int] = {}
-        self.last_id = "0-0"  # last applied entry of the results stream
+        # The last applied entry of each results stream (one per Redis shard).
+        self.positions: dict[str, str] = {}
         self.lock = threading.Lock()
         self.snapshot_lock = threading.Lock()  # one snapshot writes at a time
         self.use_gpu = faiss.get_num_gpus() > 0 if use_gpu is None else use_gpu
@@ -186,9 +189,9 @@ class VectorIndex:
             if shard.index.ntotal:
                 shard.gpu.add(faiss.downcast_index(shard.index.index).reconstruct_n(0, shard.index.ntotal))
 
-    def add(self, items: list[Item], last_id: str | None = None, now: float | None = None) -> int:
-        """Index the items (those already expired are skipped). last_id: the stream entry
-        they came up to."""
+    def add(self, items: list[Item], position: tuple[str, str] | None = None, now: float | None = None) -> int:
+        """Index the items (those already expired are skipped). position: (stream, entry
+        id) they came up to."""
         now = time.time() if now is None else now
         added = 0
         with self.lock:
@@ -201,8 +204,8 @@ class VectorIndex:
                 by_shard.setdefault((item.space, item.tenant), []).append(item)
             for (space, tenant), shard_items in by_shard.items():
                 added += self._shard(space, tenant).add(shard_items, now)
-            if last_id is not None:
-                self.last_id = last_id
+            if position is not None:
+                self.positions[position[0]] = position[1]
         return added
 
     def search(
@@ -242,7 +245,10 @@ class VectorIndex:
 
     # -- snapshots --------------------------------------------------------------------
 
-    def _capture(self) -> tuple[str, list[Captured]]:
+    def position(self, stream: str) -> str:
+        return self.positions.get(stream, "0-0")
+
+    def _capture(self) -> tuple[dict[str, str], list[Captured]]:
         """Copies of every shard, taken under the lock (memory copies only, no I/O)."""
         with self.lock:
             captured = []
@@ -250,16 +256,16 @@ class VectorIndex:
                 index = faiss.clone_index(shard.index)
                 state = (dict(shard.request_of), list(shard.expiry), set(shard.expired))
                 captured.append(Captured(space, tenant, shard.dim, index, *state))
-            return self.last_id, captured
+            return dict(self.positions), captured
 
     def snapshot(self) -> Path:
         with self.snapshot_lock:
-            last_id, captured = self._capture()
-            return self._write(last_id, captured)
+            positions, captured = self._capture()
+            return self._write(positions, captured)
 
-    def _write(self, last_id: str, captured: list[Captured]) -> Path:
+    def _write(self, positions: dict[str, str], captured: list[Captured]) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
-        name = f"snapshot-{last_id}"
+        name = f"snapshot-{time.time_ns()}"
         staging = self.directory / f"{name}.partial"
         if staging.exists():
             shutil.rmtree(staging)
@@ -281,7 +287,7 @@ class VectorIndex:
                     "expires_at": [_json_time(expiry.get(i, NEVER)) for i in ids],
                 }
             )
-        meta = {"format": SNAPSHOT_FORMAT, "last_id": last_id, "shards": shards_meta}
+        meta = {"format": SNAPSHOT_FORMAT, "positions": positions, "shards": shards_meta}
         (staging / "meta.json").write_text(json.dumps(meta))
         for path in staging.iterdir():
             _fsync(path)
@@ -309,7 +315,7 @@ class VectorIndex:
         snapshot = self.directory / pointer.read_text().strip()
         meta = json.loads((snapshot / "meta.json").read_text())
         if meta.get("format") != SNAPSHOT_FORMAT:
-            log.info("snapshot %s is of an older format (no tenants); rebuilding instead", snapshot.name)
+            log.info("snapshot %s is of an older format; rebuilding instead", snapshot.name)
             return False
         shards: dict[tuple[str, str], Shard] = {}
         dims: dict[str, int] = {}
@@ -333,7 +339,7 @@ class VectorIndex:
             dims[info["space"]] = info["dim"]
         with self.lock:
             self.shards, self.dims = shards, dims
-            self.last_id = meta["last_id"]
+            self.positions = dict(meta["positions"])
         return True
 
 

@@ -30,6 +30,11 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_file=".env", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis Cluster: its nodes (host:port, any of them); then REDIS_URL is not used.
+    redis_cluster_nodes: CommaList = []
+    # Requests are spread over this many shards by tenant (each shard one hash tag, so one
+    # Cluster slot). Every process of a deployment must use the same number.
+    redis_shards: int = Field(default=1, ge=1, le=1024)
     # A Redis that stops answering fails a call after this long instead of hanging it.
     redis_timeout_s: float = Field(default=5.0, gt=0)
     redis_max_connections: int = Field(default=256, ge=8)

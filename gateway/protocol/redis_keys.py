@@ -1,26 +1,57 @@
-"""Redis names the gateway and the binder share: request hashes and event streams,
-the request queues, the results stream, and the pub/sub channels."""
+"""Redis names the gateway and the binder share.
+
+Requests live in shards. A tenant's requests all live in one shard (`shard_for_tenant`),
+and every key of a shard carries the shard's hash tag (`{s3}:...`), so each state change
+is one Lua script over one Redis Cluster slot, and every per-tenant limit (queued,
+running) and fairness decision is exact within that script. On a single Redis the same
+names are used (REDIS_SHARDS=1: one shard). A request id carries its shard
+(gateway.protocol.ids), so any process finds its keys from the id alone.
+
+Per shard (prefix `{sN}:`):
+- `req:<id>` hash (state, model, tenant, band, payload, attempts, emitted, owner, ...),
+  `events:<id>` stream (what SSE and /v1 streams read), `tokens:<id>` (token ids emitted,
+  for resuming on another replica);
+- `q:<model>:<band>:<tenant>` list: the tenant's waiting requests, oldest first;
+- `ready:<model>:<band>` sorted set: tenants with waiting work, scored by virtual time
+  (weighted fair queuing; see gateway.server.dispatch.scheduler);
+- `vclock` hash `<model>:<band>` -> virtual time; `tenants` hash tenant -> "weight limit";
+  `blocked:<tenant>` set of `<model>:<band>` it left while at its concurrency limit;
+- `reclaimed:<model>` list: running requests whose dispatcher died or handed them over,
+  started again before anything else;
+- `leases` sorted set id -> lease end (ms): a running request's dispatcher renews it;
+- `deadlines` sorted set id -> deadline; `backlog` and `running` counter hashes;
+- `results` stream: finished records for the binders; `results:dead`: poison entries;
+- `idem:<tenant>:<key>`: idempotency keys; `take:<consumer>`: a dispatcher's last take.
+
+Everywhere else: the pub/sub channels (cluster-wide), the webhook queue (its own slot,
+`{wh}`), usage, rate limits and the routing prefix index (single-key operations)."""
 
 from __future__ import annotations
 
-# -- Request queues -----------------------------------------------------------------------
-# One stream per (model, band, tenant), read by the dispatchers' consumer group: a
-# dispatcher reads only models it has free replica slots for, serves bands in order and
-# tenants fairly within a band. `queue:streams` lists the queues (scored by last use).
-DISPATCH_GROUP = "dispatchers"
-QUEUE_REGISTRY = "queue:streams"
-QUEUE_DEAD_LETTERS = "queue:dead"
+import zlib
+from dataclasses import dataclass
+
+from gateway.protocol.ids import MAX_SHARDS, request_id_shard
+
 BANDS = ("high", "normal", "low", "batch")  # served in this order
 
+# -- pub/sub (cluster-wide) ---------------------------------------------------------------
+DONE_CHANNEL = "done"  # '<id>\n<record>' when a request ends
+CANCEL_CHANNEL = "cancel"  # '<id>' when a running request is asked to stop
+WORK_CHANNEL = "work"  # '<shard prefix><model>' when work appears where there was none
+KEYS_CHANNEL = "keys:changed"  # an API key was revoked (every process drops its cache)
 
-def queue_stream(model: str, band: str, tenant: str) -> str:
-    return f"queue:{model}:{band}:{tenant}"
+# -- binder ----------------------------------------------------------------------------------
+BINDER_GROUP = "binders"
+WEBHOOK_DUE = "{wh}:due"  # sorted set: delivery id scored by next attempt time
 
 
-def parse_queue_stream(stream: str) -> tuple[str, str, str]:
-    """(model, band, tenant) of a queue stream name."""
-    _, model, band, tenant = stream.split(":", 3)
-    return model, band, tenant
+def webhook_key(delivery_id: str) -> str:
+    return f"{{wh}}:delivery:{delivery_id}"
+
+
+def webhook_replays_key(tenant: str) -> str:
+    return f"{{wh}}:replays:{tenant}"
 
 
 def band_for(priority: int, *, batch: bool = False) -> str:
@@ -29,34 +60,69 @@ def band_for(priority: int, *, batch: bool = False) -> str:
     return "high" if priority > 0 else "low" if priority < 0 else "normal"
 
 
-# -- Requests -------------------------------------------------------------------------------
-DEADLINES = "deadlines"  # sorted set: request id scored by its deadline
-BACKLOG = "backlog"  # hash: accepted, not yet started: 'all', 't:<tenant>', 'm:<model>'
-RUNNING = "running"  # hash: tenant -> requests running now (for per-tenant concurrency)
-DONE_CHANNEL = "done"  # pub/sub: '<id>\n<record>' when a request ends
-CANCEL_CHANNEL = "cancel"  # pub/sub: '<id>' when a running request is asked to stop
+def shard_for_tenant(tenant: str, shards: int) -> int:
+    return zlib.crc32(tenant.encode()) % max(1, min(shards, MAX_SHARDS))
 
 
-def request_key(request_id: str) -> str:
-    return f"req:{request_id}"
+@dataclass(frozen=True)
+class Shard:
+    """The key names of one shard."""
+
+    index: int
+
+    @property
+    def prefix(self) -> str:
+        return f"{{s{self.index}}}:"
+
+    def request(self, request_id: str) -> str:
+        return f"{self.prefix}req:{request_id}"
+
+    def events(self, request_id: str) -> str:
+        return f"{self.prefix}events:{request_id}"
+
+    def tokens(self, request_id: str) -> str:
+        return f"{self.prefix}tokens:{request_id}"
+
+    def queue(self, model: str, band: str, tenant: str) -> str:
+        return f"{self.prefix}q:{model}:{band}:{tenant}"
+
+    def ready(self, model: str, band: str) -> str:
+        return f"{self.prefix}ready:{model}:{band}"
+
+    def reclaimed(self, model: str) -> str:
+        return f"{self.prefix}reclaimed:{model}"
+
+    def idempotency(self, tenant: str, key: str) -> str:
+        return f"{self.prefix}idem:{tenant}:{key}"
+
+    @property
+    def backlog(self) -> str:
+        return f"{self.prefix}backlog"
+
+    @property
+    def running(self) -> str:
+        return f"{self.prefix}running"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.prefix}leases"
+
+    @property
+    def deadlines(self) -> str:
+        return f"{self.prefix}deadlines"
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}results"
+
+    @property
+    def results_dead(self) -> str:
+        return f"{self.prefix}results:dead"
 
 
-def events_key(request_id: str) -> str:
-    return f"events:{request_id}"
+def shard_of(request_id: str) -> Shard:
+    return Shard(request_id_shard(request_id))
 
 
-def idempotency_key(tenant: str, key: str) -> str:
-    return f"idem:{tenant}:{key}"
-
-
-# -- Results (dispatcher -> binders) ----------------------------------------------------------
-RESULTS_STREAM = "results"
-BINDER_GROUP = "binders"
-RESULTS_DEAD_LETTERS = "results:dead"
-
-# -- Webhooks (binder) ---------------------------------------------------------------------
-WEBHOOK_DUE = "webhooks:due"  # sorted set: delivery id scored by next attempt time
-
-
-def webhook_key(delivery_id: str) -> str:
-    return f"webhook:{delivery_id}"
+def all_shards(count: int) -> list[Shard]:
+    return [Shard(i) for i in range(max(1, min(count, MAX_SHARDS)))]

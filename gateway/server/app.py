@@ -18,17 +18,15 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from pymongo import AsyncMongoClient
 
-from gateway.common import redis as redis_clients
 from gateway.common.logs import configure_logging
+from gateway.common.redis import RedisClients
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, supervise
-from gateway.common.streams import StreamConsumer
 from gateway.protocol import ResultRecord
-from gateway.protocol.redis_keys import DISPATCH_GROUP, QUEUE_DEAD_LETTERS
 from gateway.server.api import admin, events, operations, results, search, submit
 from gateway.server.api.errors import install_error_handlers
 from gateway.server.api.limits import RequestLimitsMiddleware
-from gateway.server.api.request_id import RequestIdMiddleware
+from gateway.server.api.request_id import RequestIdMiddleware, current_trace_id
 from gateway.server.api.tenancy import Caller, CallerHeaders, caller
 from gateway.server.dispatch.dispatcher import Dispatcher
 from gateway.server.dispatch.runner import Runner
@@ -53,6 +51,7 @@ from gateway.server.search.binders import BinderClient
 from gateway.server.search.service import SearchService
 from gateway.server.services import Services
 from gateway.server.settings import GatewaySettings
+from gateway.server.submission import Submitter
 from gateway.server.tenants.config import TenantLimits, TenantStore
 from gateway.server.tenants.keys import KeyStore
 from gateway.server.tenants.quotas import Quotas
@@ -98,9 +97,10 @@ async def count_tenant(metrics: GatewayMetrics, settings: GatewaySettings, recor
 
 
 async def count_tokens(quotas: Quotas, tenants: TenantStore, record: ResultRecord) -> None:
-    """A finished request's real token usage counts against its tenant's tokens per minute."""
-    if record.usage is not None:
-        await quotas.used_tokens(await tenants.get(record.tenant), record.usage.total_tokens)
+    """A finished request's completion tokens count against its tenant's tokens per minute
+    (its prompt tokens were charged at admission)."""
+    if record.usage is not None and record.usage.completion_tokens:
+        await quotas.used_tokens(await tenants.get(record.tenant), record.usage.completion_tokens)
 
 
 def add_private_docs(app: FastAPI) -> None:
@@ -122,12 +122,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = redis_clients.connect(
-            settings.redis_url, timeout_s=settings.redis_timeout_s, max_connections=settings.redis_max_connections
+        clients = RedisClients.open(
+            url=settings.redis_url,
+            cluster_nodes=settings.redis_cluster_nodes,
+            timeout_s=settings.redis_timeout_s,
+            max_connections=settings.redis_max_connections,
         )
-        blocking = redis_clients.connect(
-            settings.redis_url, timeout_s=settings.redis_timeout_s, max_connections=8, blocking=True
-        )
+        redis = clients.main
         timeout_ms = int(settings.mongo_timeout_s * 1000)
         mongo: AsyncMongoClient = AsyncMongoClient(
             settings.mongo_url,
@@ -139,7 +140,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         store = ResultStore(mongo, settings.mongo_db, settings.result_retention_s)
         http = httpx.AsyncClient(timeout=10)
         registry = ModelRegistry.from_file(settings.models_file)
-        jobs = JobStore(redis, live_state_ttl_s=settings.live_state_ttl_s, idempotency_ttl_s=settings.idempotency_ttl_s)
+        jobs = JobStore(
+            redis,
+            shards=settings.redis_shards,
+            live_state_ttl_s=settings.live_state_ttl_s,
+            idempotency_ttl_s=settings.idempotency_ttl_s,
+            lease_ms=settings.claim_idle_ms,
+        )
         pool = ReplicaPool(
             # With DNS discovery the replicas come from the name alone.
             [] if settings.triton_dns_name else settings.triton_grpc_urls,
@@ -147,17 +154,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             probe_interval_s=settings.probe_interval_s,
             probe_timeout_s=settings.probe_timeout_s,
         )
-        notifier = CompletionNotifier(redis)
-        hub = EventHub(redis, blocking)
+        notifier = CompletionNotifier(clients)
+        hub = EventHub(redis, clients.reader)
         binders = BinderClient(settings.binder_urls, http)
-        consumer = StreamConsumer(
-            redis,
-            DISPATCH_GROUP,
-            consumer_name(),
-            QUEUE_DEAD_LETTERS,
-            claim_idle_ms=settings.claim_idle_ms,
-            max_deliveries=settings.max_deliveries + 2,
-        )
         side_tasks: set[asyncio.Task[None]] = set()
 
         def background(coroutine: Coroutine[Any, Any, Any]) -> None:
@@ -192,9 +191,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         quotas = Quotas(settings.redis_url)
         usage = UsageLedger(redis)
         dispatcher = Dispatcher(
-            redis=redis,
-            blocking=blocking,
-            consumer=consumer,
+            redis=clients,
+            consumer=consumer_name(),
             jobs=jobs,
             pool=pool,
             registry=registry,
@@ -202,12 +200,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             settings=settings,
             metrics=metrics,
             notifier=notifier,
-            tenants=tenants,
         )
+        pool.on_admitted.append(lambda replica: dispatcher.wake())
         dispatcher.finished_hooks.append(usage.add)
         dispatcher.finished_hooks.append(lambda record: count_tenant(metrics, settings, record))
         dispatcher.finished_hooks.append(lambda record: count_tokens(quotas, tenants, record))
-        sweeper = Sweeper(redis, jobs, consumer, dispatcher.queues, pool, settings, metrics, dispatcher.count)
+        sweeper = Sweeper(redis, jobs, pool, settings, metrics)
+        submitter = Submitter(settings, registry, jobs, quotas, dispatcher, metrics, trace_id=current_trace_id)
         reader = ResultReader(jobs, store, notifier, settings.result_retention_s)
         app.state.services = Services(
             settings=settings,
@@ -217,6 +216,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             pool=pool,
             registry=registry,
             dispatcher=dispatcher,
+            submitter=submitter,
             results=reader,
             events=hub,
             search=SearchService(registry, pool, reader, binders),
@@ -264,8 +264,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await pool.close()
             await http.aclose()
             await mongo.close()
-            await redis.aclose()
-            await blocking.aclose()
+            await clients.aclose()
 
     private_docs = not settings.public_docs
     app = FastAPI(

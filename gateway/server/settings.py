@@ -62,10 +62,19 @@ class GatewaySettings(ServiceSettings):
     metrics_tenant_label: bool = True
 
     # -- Admission ---------------------------------------------------------------------
-    # Queued (not yet started) requests, and their payload bytes, beyond which
-    # POST /infer answers 429.
+    # Interactive requests waiting (not started), and payload bytes of all waiting
+    # requests, beyond which a submission answers 429 backlog_full (split evenly between
+    # the Redis shards).
     max_backlog: int = Field(default=1000, ge=1)
     max_backlog_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    # The batch band (Batch API lines) has its own budget: batches never fill the
+    # interactive backlog.
+    max_batch_backlog: int = Field(default=2000, ge=1)
+    # A tenant without its own max_queued may hold this share of a backlog...
+    tenant_backlog_share: float = Field(default=0.25, gt=0, le=1)
+    # ... and is admitted below this many waiting requests even when the backlog is full,
+    # so no other tenant's flood or batch can make it wait for a 429.
+    tenant_backlog_reserve: int = Field(default=16, ge=0)
 
     # -- Replica pool -----------------------------------------------------------------------
     replica_max_inflight: int = Field(default=32, ge=1)
@@ -103,10 +112,12 @@ class GatewaySettings(ServiceSettings):
     triton_metrics_port: int = Field(default=8002, ge=1, le=65535)
 
     # -- Dispatcher ---------------------------------------------------------------------------
-    # Requests read ahead of free slots and held locally (per model).
-    dispatch_buffer: int = Field(default=16, ge=1)
-    # A pending request idle this long belongs to a dead dispatcher and is reclaimed.
+    # A running request's lease: renewed every third of it by its dispatcher; one not
+    # renewed this long belongs to a dead dispatcher and is started again elsewhere.
     claim_idle_ms: int = Field(default=15_000, ge=50)
+    # Free slots of a model kept for light tenants while others are active (at most this
+    # share of the model's slots; see gateway.server.dispatch.scheduler).
+    fair_headroom: float = Field(default=0.25, ge=0, le=1)
     # A request started more often than this fails instead of being run again.
     max_deliveries: int = Field(default=3, ge=1)
     sweep_interval_s: float = Field(default=1.0, gt=0)

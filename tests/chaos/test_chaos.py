@@ -27,7 +27,9 @@ import pytest
 import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
 
-from gateway.protocol.redis_keys import RESULTS_STREAM, events_key
+from gateway.protocol.redis_keys import Shard, shard_of
+
+RESULTS_STREAM = Shard(0).results
 from gateway.server.tenants.cli import ensure_local_key
 from gateway.stack.process import ManagedProcess, free_port, stop_processes
 from gateway.stack.services import binder_spec, gateway_spec, mongo_spec, redis_spec
@@ -212,7 +214,7 @@ async def _check(chaos: ChaosStack, phase: Phase, records: list[dict]) -> None:
 
 
 async def _check_tokens(redis: aioredis.Redis, request_id: str, record: dict) -> None:
-    events = await redis.xrange(events_key(request_id))
+    events = await redis.xrange(shard_of(request_id).events(request_id))
     expected, text = 0, []
     for _, fields in events:
         if fields["event"] == "token":

@@ -17,7 +17,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.protocol.redis_keys import BINDER_GROUP, RESULTS_STREAM
+from gateway.protocol.redis_keys import BINDER_GROUP, Shard
+
+RESULTS_STREAM = Shard(0).results
 from gateway.server.metrics import GatewayMetrics
 
 # The checkout's (not shipped in the package: applied from a checkout with kubectl).

@@ -16,6 +16,8 @@ from pymongo.errors import PyMongoError
 from redis.exceptions import RedisError, ResponseError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.server.errors import Busy, Conflict, InvalidRequest, Refused
+
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +51,15 @@ def _validation_code(errors: list[Any]) -> str:
     if any(e.get("type") == "json_invalid" for e in errors):
         return "invalid_json"
     return "validation_error"
+
+
+def refusal_status(exc: Refused) -> int:
+    """The native API's status for a domain refusal (the OpenAI dialect answers 422 as 400)."""
+    if isinstance(exc, Busy):
+        return 429
+    if isinstance(exc, InvalidRequest | Conflict):
+        return 422
+    return 400
 
 
 _STATUS_CODES = {
@@ -93,6 +104,10 @@ def install_error_handlers(
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return reject(request, exc.status, exc.code, exc.message, exc.details, exc.headers)
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, exc: Refused) -> JSONResponse:
+        return reject(request, refusal_status(exc), exc.code, exc.message, exc.details, exc.headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -17,7 +17,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from gateway.common.streams import stream_id_order
 from gateway.protocol import TERMINAL_EVENT, ResultRecord
 from gateway.protocol.http import LiveStatus
-from gateway.protocol.redis_keys import events_key
+from gateway.protocol.redis_keys import shard_of
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.results.events import TERMINAL_KINDS, TooManyStreams
@@ -63,11 +63,11 @@ async def result_events(
     svc = services(request)
     after = parse_event_id(last_event_id) if last_event_id is not None else "0-0"
     job = await svc.results.job(request_id, who.scope)
-    if job is None or not await svc.redis.exists(events_key(request_id)):
+    if job is None or not await svc.redis.exists(shard_of(request_id).events(request_id)):
         # Events are kept for a while after the end; after that, replay the stored record.
         outcome = await svc.results.get(request_id, who.scope)  # 404 / 410 for unknown ids
         return EventSourceResponse(_replay_record(outcome, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
-    last = await svc.redis.xrevrange(events_key(request_id), count=1)
+    last = await svc.redis.xrevrange(shard_of(request_id).events(request_id), count=1)
     if last and last[0][1].get("event") in TERMINAL_KINDS and stream_id_order(after) >= stream_id_order(last[0][0]):
         return Response(status_code=204)
     return EventSourceResponse(sse_events(svc, request_id, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)

@@ -5,35 +5,16 @@ is 401. With AUTH_ENABLED=false every caller is the default tenant (local tools 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocol.records import DEFAULT_TENANT
 from gateway.server.api.errors import ApiError
-from gateway.server.tenants.config import TenantConfig
+from gateway.server.tenants.caller import Caller
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
-
-@dataclass
-class Caller:
-    tenant: str = DEFAULT_TENANT
-    role: str = "user"
-    key_id: str = ""
-    config: TenantConfig = field(default_factory=lambda: TenantConfig(tenant=DEFAULT_TENANT))
-    # Response headers that the calls made on its behalf add (rate limits).
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def scope(self) -> str:
-        """The tenant whose objects this caller may see."""
-        return self.tenant
-
-    @property
-    def max_queued(self) -> int:
-        return self.config.limits.max_queued
+__all__ = ["Caller", "CallerHeaders", "admin", "bearer", "caller"]
 
 
 def bearer(request: Request) -> str | None:

@@ -1,24 +1,27 @@
 """Running one started request on the replicas: choose a replica, send the request,
 relay what comes back as token events, and build the record.
 
-A retryable failure (replica gone, model not ready there) is tried again on another
-replica while one exists, else on the same one once it is back, with backoff and
+A retryable failure of the replica (gone, model not ready there) is tried again on
+another replica while one exists, else on the same one once it is back, with backoff and
 within the request's deadline; a bad request fails at once with Triton's reason. A
-streamed LLM request on the engine path that already sent tokens resumes from them
-(the new run continues the sequence); other models retry only before anything was
-sent."""
+streamed LLM request on the engine path that already sent tokens resumes from them (the
+new run continues the sequence); other models retry only before anything was sent.
+
+Only what Triton raises counts against a replica: Redis being away while tokens are
+relayed is the emitter's business (it keeps the tokens and retries), never a reason to
+eject a healthy replica."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from gateway.protocol import ErrorInfo, ResultRecord, Route, State
 from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
@@ -46,6 +49,8 @@ class RunControl:
     route: Route | None = None
     started: float = field(default_factory=time.monotonic)
     run: Run | None = None
+    # The run's token events (streamed requests): FINISH checks the stream holds them all.
+    emitter: TokenEmitter | None = None
     # Ends the Triton call in flight at once.
     abort: Callable[[], None] | None = None
     # Called once the run holds a replica slot (the dispatcher counts waiting runs).
@@ -85,48 +90,29 @@ class Runner:
         resume = self._resume(job, adapter, prepared, stream)
         if isinstance(resume, ResultRecord):
             return resume
-        emitter = (
-            TokenEmitter(
-                self.jobs,
-                job.request_id,
-                control.attempt,
-                window_s=self.settings.token_window_ms / 1000,
-                max_pieces=self.settings.token_window_max,
-                on_cancel=lambda: self._cancel(control),
-            )
-            if stream
-            else None
-        )
+        if stream:
+            control.emitter = self._emitter(job, control)
         failures: list[Failure] = []
         tried: set[str] = set()
-
-        def retryable(exc: BaseException) -> bool:
-            if isinstance(exc, StaleRun | asyncio.CancelledError | TimeoutError):
-                return False
-            failure = classify(exc)
-            run = control.run
-            return (
-                failure.retryable
-                and not control.cancel_requested
-                and (run is None or not run.produced or adapter.resumable)
-            )
-
-        def remember(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            if exc is not None:
-                log.warning("request %s failed on %s (%s); retrying", job.request_id, control.replica, classify(exc))
-
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(retryable),
-            stop=stop_after_attempt(self.settings.max_retries + 1),
-            wait=wait_exponential_jitter(initial=0.1, max=2.0),
-            before_sleep=remember,
-            reraise=True,
-        )
+        delay = 0.1
         try:
-            async for attempt in retrying:
-                with attempt:
-                    await self._attempt(job, adapter, prepared, stream, emitter, control, tried, failures, resume)
+            for attempt in range(self.settings.max_retries + 1):
+                try:
+                    await self._attempt(job, adapter, prepared, stream, control, tried, failures, resume)
+                    break
+                except Failure as failure:
+                    run = control.run
+                    retry = (
+                        failure.retryable
+                        and attempt < self.settings.max_retries
+                        and not control.cancel_requested
+                        and (run is None or not run.produced or adapter.resumable)
+                    )
+                    if not retry:
+                        raise
+                    log.warning("request %s failed on %s (%s); retrying", job.request_id, control.replica, failure)
+                    await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                    delay = min(2.0, delay * 2)
         except StaleRun:
             raise
         except TimeoutError:
@@ -139,18 +125,29 @@ class Runner:
             if control.cancel_requested:
                 return self.partial(job, control, State.CANCELED, None)
             raise
-        except Exception as exc:
-            failure = classify(exc)
+        except Failure as failure:
             if control.cancel_requested:
                 return self.partial(job, control, State.CANCELED, None)
             status = State.EXPIRED if failure.code == "deadline_exceeded" else State.FAILED
             return self.partial(job, control, status, ErrorInfo(code=failure.code, message=failure.message))
-        finally:
-            if emitter is not None:
-                emitter.discard()
+        except Exception as exc:  # a defect of ours: the request fails with it, the process goes on
+            log.exception("request %s: unexpected error while running", job.request_id)
+            error = ErrorInfo(code="internal_error", message=f"{type(exc).__name__}: {exc}"[:500])
+            return self.partial(job, control, State.FAILED, error)
         if control.cancel_requested:
             return self.partial(job, control, State.CANCELED, None)
         return self.partial(job, control, State.SUCCEEDED, None)
+
+    def _emitter(self, job: Job, control: RunControl) -> TokenEmitter:
+        return TokenEmitter(
+            self.jobs,
+            job.request_id,
+            control.attempt,
+            first_index=job.emitted,
+            window_s=self.settings.token_window_ms / 1000,
+            max_pieces=self.settings.token_window_max,
+            on_cancel=lambda: self._cancel(control),
+        )
 
     def _resume(self, job: Job, adapter: ModelAdapter, prepared: Any, stream: bool) -> Resume | ResultRecord | None:
         """What an earlier run of this request already sent, if any."""
@@ -195,7 +192,6 @@ class Runner:
         adapter: ModelAdapter,
         prepared: Any,
         stream: bool,
-        emitter: TokenEmitter | None,
         control: RunControl,
         tried: set[str],
         failures: list[Failure],
@@ -219,28 +215,21 @@ class Runner:
         if previous is not None and previous.produced and adapter.resumable:
             run.carry_from(previous)
         try:
-            await self._call(replica, run, job, stream, emitter, control)
-            if emitter is not None:
-                await emitter.close()
-        except (StaleRun, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            failure = classify(exc)
+            await self._call(replica, run, job, stream, control)
+        except Failure as failure:
             failures.append(failure)
             tried.add(replica.url)
             if failure.eject:
                 self.pool.eject(replica, failure.message)
-            if emitter is not None:
-                await emitter.close()  # what arrived before the failure is kept
-            raise failure from exc
+            raise
         finally:
             if plan is not None:
                 plan.release()
             await self.pool.release(replica)
 
-    async def _call(
-        self, replica: Replica, run: Run, job: Job, stream: bool, emitter: TokenEmitter | None, control: RunControl
-    ) -> None:
+    async def _call(self, replica: Replica, run: Run, job: Job, stream: bool, control: RunControl) -> None:
+        """One call to Triton. Raises Failure for what Triton (or the connection to it)
+        did wrong; whatever else goes wrong is not the replica's fault."""
         remaining = max(0.001, job.deadline - time.time())
         inputs = run.inputs(stream)
         if not run.decoupled:
@@ -261,6 +250,8 @@ class Runner:
                 if control.cancel_requested:
                     return
                 raise
+            except Exception as exc:
+                raise classify(exc) from exc
             finally:
                 control.abort = None
             self._first(control)
@@ -275,6 +266,7 @@ class Runner:
         }
         responses = replica.client.stream_infer(_once(request), stream_timeout=remaining)
         adapter = self.registry.adapters[job.model]
+        emitter = control.emitter
 
         def abort() -> None:
             responses.cancel()
@@ -285,7 +277,16 @@ class Runner:
         if control.cancel_requested:
             control.stop()
         try:
-            async for result, error in responses:
+            iterator = responses.__aiter__()
+            while True:
+                try:
+                    result, error = await iterator.__anext__()
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    raise classify(exc) from exc
                 if error is not None:
                     raise classify(error)
                 self._first(control)

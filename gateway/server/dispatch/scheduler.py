@@ -1,140 +1,112 @@
-"""Which queued request a dispatcher starts next.
+"""Which queued request starts next: the scheduling policy, stated once.
 
-Queues are streams per (model, band, tenant). A dispatcher reads a model's queues only
-while its replicas have room for that model, keeps a few entries ahead in a local
-buffer, and starts them in order: requests reclaimed from dead dispatchers first, then
-bands in order (high, normal, low, batch), and within a band the tenant with the
-smallest weighted share of the running work (weighted fair sharing of the replicas'
-slots), so a tenant that floods its queue gets what others leave unused but cannot
-delay them."""
+1. **Reclaimed first.** A request that was running when its dispatcher died (its lease ran
+   out) or stopped (it handed it on) starts again before anything else of its model.
+2. **Bands in order**: high, normal, low, batch. A lower band starts only while no tenant
+   of a higher band can.
+3. **Weighted fair share between tenants, per model.** Within a band, tenants take turns
+   by start-time fair queuing: each tenant with waiting work has a virtual time; the
+   lowest starts next and its virtual time grows by 1/weight; a tenant that becomes
+   ready joins at the band's current virtual time (so it neither waits behind others'
+   backlogs nor saves up credit while idle). Each model has its own queues, virtual times
+   and ready sets: traffic on one model never holds back another.
+4. **Concurrency limits.** A tenant at its `max_concurrent` leaves the ready sets until one
+   of its runs ends.
+5. **Headroom for light tenants.** While other tenants were active on a model lately
+   (within `FAIR_WINDOW_S`), a dispatcher keeps its last free slots of that model for
+   tenants that run nothing of it now: one slot per such recent tenant, at most
+   `fair_headroom` of the model's slots. A light tenant's request then starts at once
+   instead of waiting for a heavy tenant's run to end; a tenant alone gets every slot
+   (work-conserving but for that headroom, and never more held back than there are other
+   recent tenants).
+
+Steps 1-4 run inside Redis (the TAKE script, gateway.server.queue.scripts), over the
+shard's sorted set of ready tenants: one decision is O(log tenants) whatever their number,
+and one Redis round trip. This module holds the dispatcher's side: the headroom (step 5)
+and which shards to ask (a shard is asked again only when work was announced there or a
+poll finds it), both O(1) per decision."""
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict
 
-from redis.asyncio import Redis
+from gateway.protocol.redis_keys import Shard
 
-from gateway.common.streams import Entry
-from gateway.protocol.redis_keys import BANDS, QUEUE_REGISTRY, parse_queue_stream
+# A tenant counts as recently active on a model (and is kept a slot) this long.
+FAIR_WINDOW_S = 5.0
 
 
-@dataclass
-class _Band:
-    tenants: dict[str, deque[Entry]] = field(default_factory=dict)
-    order: deque[str] = field(default_factory=deque)  # round-robin order, for ties
+class Headroom:
+    """Tenants seen lately per model, in order of last sight (O(1) to touch, amortised O(1)
+    to expire), and how many free slots to keep for light ones."""
 
-    def push(self, tenant: str, entry: Entry) -> None:
-        if tenant not in self.tenants:
-            self.tenants[tenant] = deque()
-            self.order.append(tenant)
-        self.tenants[tenant].append(entry)
+    def __init__(self, *, window_s: float = FAIR_WINDOW_S, fraction: float = 0.25) -> None:
+        self.window_s = window_s
+        self.fraction = fraction
+        self._seen: dict[str, OrderedDict[str, float]] = {}
 
-    def pop(self, share: Callable[[str], float], allowed: Callable[[str], bool]) -> Entry | None:
-        """The next request of the waiting tenant with the smallest share of the running
-        work (running requests / weight), ties in round-robin order; a tenant at its
-        concurrency limit is passed over for now. A tenant with nothing queued leaves."""
-        for tenant in [t for t in self.order if not self.tenants[t]]:
-            self.order.remove(tenant)
-            del self.tenants[tenant]
-        candidates = [t for t in self.order if allowed(t)]
-        if not candidates:
+    def touch(self, model: str, tenant: str, now: float | None = None) -> None:
+        seen = self._seen.setdefault(model, OrderedDict())
+        seen[tenant] = time.monotonic() if now is None else now
+        seen.move_to_end(tenant)
+
+    def recent(self, model: str, now: float | None = None) -> int:
+        seen = self._seen.get(model)
+        if not seen:
+            return 0
+        horizon = (time.monotonic() if now is None else now) - self.window_s
+        while seen and next(iter(seen.values())) < horizon:
+            seen.popitem(last=False)
+        return len(seen)
+
+    def reserve(self, model: str, slots: int, now: float | None = None) -> int:
+        """Free slots of `model` kept for light tenants: one per other recent tenant, at
+        most `fraction` of the model's slots (0 when at most one tenant is about)."""
+        others = self.recent(model, now) - 1
+        if others <= 0 or slots <= 1:
+            return 0
+        return min(others, max(1, math.floor(slots * self.fraction)))
+
+
+class ShardPlan:
+    """Per model, the shards that may hold work: marked when work is announced there
+    (pub/sub) or by a periodic poll, cleared when a TAKE finds nothing. Shards are asked
+    in turn, so no shard is starved by another's backlog."""
+
+    def __init__(self, shards: list[Shard]) -> None:
+        self.shards = shards
+        self._marked: dict[str, set[int]] = {}
+        self._turn: dict[str, int] = {}
+
+    def mark(self, shard: int, model: str) -> None:
+        self._marked.setdefault(model, set()).add(shard)
+
+    def mark_all(self, models: list[str]) -> None:
+        everything = {shard.index for shard in self.shards}
+        for model in models:
+            self._marked[model] = set(everything)
+
+    def forget(self, model: str) -> None:
+        self._marked.pop(model, None)
+
+    def clear(self, shard: int, model: str) -> None:
+        self._marked.get(model, set()).discard(shard)
+
+    def next(self, model: str) -> Shard | None:
+        """The next marked shard for `model`, in rotation (None when none is marked)."""
+        marked = self._marked.get(model)
+        if not marked:
             return None
-        tenant = min(candidates, key=share)  # min() keeps the first of equals: round robin
-        self.order.remove(tenant)
-        self.order.append(tenant)
-        return self.tenants[tenant].popleft()
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self.tenants.values())
-
-
-class LocalQueue:
-    """Entries this dispatcher has read (or reclaimed) but not started, per model."""
-
-    def __init__(self, share: Callable[[str], float]) -> None:
-        self.share = share  # tenant -> running requests / weight
-        self.reclaimed: dict[str, deque[Entry]] = {}
-        self.bands: dict[str, dict[str, _Band]] = {}
-
-    def push(self, entry: Entry, *, reclaimed: bool = False) -> None:
-        model, band, tenant = parse_queue_stream(entry.stream)
-        if reclaimed:
-            self.reclaimed.setdefault(model, deque()).append(entry)
-        else:
-            self.bands.setdefault(model, {}).setdefault(band, _Band()).push(tenant, entry)
-
-    def pop(self, model: str, allowed: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
-        reclaimed = self.reclaimed.get(model)
-        if reclaimed:
-            return reclaimed.popleft()
-        bands = self.bands.get(model, {})
-        for band in BANDS:
-            if band in bands and (entry := bands[band].pop(self.share, allowed)) is not None:
-                return entry
+        count = len(self.shards)
+        turn = self._turn.get(model, 0)
+        for step in range(count):
+            index = (turn + step) % count
+            if index in marked:
+                self._turn[model] = index + 1
+                return self.shards[index]
         return None
 
-    def waiting(self, model: str, tenant: str) -> bool:
-        """Whether the tenant has work waiting here for this model."""
-        return any(band.tenants.get(tenant) for band in self.bands.get(model, {}).values())
-
-    def count(self, model: str) -> int:
-        return len(self.reclaimed.get(model, ())) + sum(len(b) for b in self.bands.get(model, {}).values())
-
     def models(self) -> list[str]:
-        return [m for m in {*self.reclaimed, *self.bands} if self.count(m)]
-
-    def entries(self) -> list[Entry]:
-        found = [e for q in self.reclaimed.values() for e in q]
-        for bands in self.bands.values():
-            for band in bands.values():
-                found.extend(e for q in band.tenants.values() for e in q)
-        return found
-
-    def drain(self) -> list[Entry]:
-        found = self.entries()
-        self.reclaimed.clear()
-        self.bands.clear()
-        return found
-
-
-class QueueRegistry:
-    """The queue streams in use, read from Redis (`queue:streams`, scored by last use)."""
-
-    def __init__(self, redis: Redis, *, window_s: float, refresh_s: float = 0.5) -> None:
-        self.redis = redis
-        self.window_s = window_s
-        self.refresh_s = refresh_s
-        self.streams: dict[str, dict[str, list[str]]] = {}  # model -> band -> streams
-        self._fetched = 0.0
-
-    async def refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._fetched < self.refresh_s:
-            return
-        names = await self.redis.zrangebyscore(QUEUE_REGISTRY, time.time() - self.window_s, "+inf")
-        streams: dict[str, dict[str, list[str]]] = {}
-        for name in names:
-            try:
-                model, band, _ = parse_queue_stream(name)
-            except ValueError:
-                continue
-            streams.setdefault(model, {}).setdefault(band, []).append(name)
-        self.streams = streams
-        self._fetched = time.monotonic()
-
-    def add(self, stream: str) -> bool:
-        """Know a queue at once (this process just used it); True if it was new."""
-        model, band, _ = parse_queue_stream(stream)
-        streams = self.streams.setdefault(model, {}).setdefault(band, [])
-        if stream in streams:
-            return False
-        streams.append(stream)
-        return True
-
-    def of(self, model: str, band: str) -> list[str]:
-        return self.streams.get(model, {}).get(band, [])
-
-    def all(self) -> list[str]:
-        return [s for bands in self.streams.values() for names in bands.values() for s in names]
+        return [model for model, marked in self._marked.items() if marked]

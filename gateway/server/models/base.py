@@ -102,6 +102,11 @@ class ModelAdapter:
     def new_run(self, prepared: Any, resume: Resume | None = None) -> Run:
         raise NotImplementedError
 
+    def prompt_tokens(self, prepared: Any) -> int | None:
+        """The request's prompt tokens (charged against tokens per minute at admission), if
+        this model counts them."""
+        return None
+
     def deterministic(self, prepared: Any) -> bool:
         """Whether running the request again gives the same output (greedy or seeded)."""
         return True

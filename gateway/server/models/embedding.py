@@ -84,6 +84,9 @@ class EmbeddingAdapter(ModelAdapter):
     def new_run(self, prepared: TextInputs | ImageInputs, resume: Resume | None = None) -> Run:
         return EmbeddingRun(self, prepared)
 
+    def prompt_tokens(self, prepared: TextInputs | ImageInputs) -> int | None:
+        return self.count_tokens(prepared)
+
     def count_tokens(self, prepared: TextInputs | ImageInputs) -> int | None:
         if self.tokenizer is None or not isinstance(prepared, TextInputs):
             return None

@@ -205,6 +205,9 @@ class EngineLlmAdapter(ModelAdapter):
     def new_run(self, prepared: EngineRequest, resume: Resume | None = None) -> Run:
         return EngineRun(self, prepared, resume)
 
+    def prompt_tokens(self, prepared: EngineRequest) -> int | None:
+        return len(prepared.prompt_ids)
+
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),

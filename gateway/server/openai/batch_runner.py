@@ -28,8 +28,7 @@ from pymongo import ReturnDocument, UpdateOne
 from gateway.protocol import ResultRecord
 from gateway.protocol.http import InferRequest
 from gateway.server.api.errors import ApiError
-from gateway.server.api.submit import submit
-from gateway.server.api.tenancy import Caller
+from gateway.server.errors import Busy, Refused
 from gateway.server.openai.batches import (
     ACTIVE,
     FAILED,
@@ -46,6 +45,7 @@ from gateway.server.openai.errors import error_status, openai_error_body
 from gateway.server.openai.files import OUTPUT_PURPOSE
 from gateway.server.openai.schemas import BatchLine, ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.server.services import Services
+from gateway.server.tenants.caller import Caller
 
 log = logging.getLogger(__name__)
 
@@ -313,11 +313,18 @@ class BatchRunner:
             try:
                 labels = {"batch_id": batch["_id"], "custom_id": str(line["custom_id"])[:512]}
                 natives = native_requests(batch["endpoint"], line["body"], self.svc, labels)
-                ids = []
-                for n, native in enumerate(natives):
-                    key = f"batch:{batch['_id']}:{line['line']}:{n}"
-                    submitted = await submit(self.svc, who, native, idempotency_key=key, batch=True)
-                    ids.append(submitted.request_id)
+                # All of a line's requests at once, with keys: a line submitted again (after a
+                # takeover, or a lost reply) is the same requests, never new ones.
+                keys = [f"batch:{batch['_id']}:{line['line']}:{n}" for n in range(len(natives))]
+                submitted = await self.svc.submitter.submit_many(who, natives, idempotency_keys=keys, batch=True)
+                ids = submitted.request_ids
+            except Busy:
+                return  # full: the next round tries again
+            except Refused as exc:
+                await self.store.lines.update_one(
+                    {"_id": line["_id"]}, {"$set": {"outcome": FAILED, "error": _invalid_refusal(exc)}}
+                )
+                continue
             except ApiError as exc:
                 if exc.code in _LATER or exc.status in (429, 503):
                     return  # full or away: the next round tries again
@@ -376,6 +383,10 @@ class BatchRunner:
         )
         await self.store.lines.delete_many({"batch": batch_id})
         log.info("batch %s %s: %s", batch_id, ending, counts)
+
+
+def _invalid_refusal(exc: Refused) -> dict[str, Any]:
+    return {"code": exc.code, "message": exc.message}
 
 
 def _custom_id_of(raw: str) -> str | None:

@@ -113,7 +113,7 @@ async def _answer(
 ) -> Any:
     """Queue the request; stream its chunks, or wait for it and answer in one piece."""
     svc = services(request)
-    request_id = await common.start(svc, who, request, native)
+    (request_id,) = await common.start(svc, who, request, [native])
     headers = {"x-request-id": request_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -14,7 +14,6 @@ from fastapi import Request
 from gateway.protocol import ResultRecord, State, WebhookSpec
 from gateway.protocol.http import InferRequest
 from gateway.server.api.errors import ApiError
-from gateway.server.api.submit import submit
 from gateway.server.api.tenancy import Caller
 from gateway.server.models import InvalidInput, ModelAdapter
 from gateway.server.models.llm_engine import EngineLlmAdapter
@@ -78,11 +77,29 @@ def messages(items: list[Message]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in items]
 
 
-async def start(svc: Services, who: Caller, request: Request, body: InferRequest, *, batch: bool = False) -> str:
-    """Queue an ordinary request; its id."""
-    if body.webhook is None:
-        body = body.model_copy(update={"webhook": webhook(request)})
-    return (await submit(svc, who, body, batch=batch)).request_id
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+def idempotency_key(request: Request) -> str | None:
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        return None
+    if not 0 < len(key) <= 255 or not key.isprintable():
+        raise ApiError(400, "invalid_idempotency_key", f"{IDEMPOTENCY_HEADER} must be 1 to 255 printable characters")
+    return key
+
+
+async def start(svc: Services, who: Caller, request: Request, bodies: list[InferRequest]) -> list[str]:
+    """Queue the ordinary requests behind one call (all or none); their ids. With an
+    Idempotency-Key the same call again answers with the first call's requests."""
+    hook = webhook(request)
+    if hook is not None:
+        bodies = [b if b.webhook is not None else b.model_copy(update={"webhook": hook}) for b in bodies]
+    key = idempotency_key(request)
+    keys = [key] if key is not None and len(bodies) == 1 else None
+    if key is not None and len(bodies) > 1:
+        keys = [f"{key}:{n}" for n in range(len(bodies))]
+    return (await svc.submitter.submit_many(who, bodies, idempotency_keys=keys)).request_ids
 
 
 async def wait_record(svc: Services, who: Caller, request_id: str, timeout_s: float) -> ResultRecord:

@@ -1,6 +1,7 @@
 """POST /v1/embeddings (text models of the registry: text_embed, clip_text) and the model
 list. Each input is an ordinary durable request (its vector goes into the index like
-any other); the answer gathers them in order. `dimensions` is refused: these models
+any other), admitted together with the call's other inputs or not at all; the answer
+gathers them in order. `dimensions` is refused: these models
 have a fixed size."""
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, who: Annot
     svc = services(request)
     adapter = embedding_adapter(svc, body)
     natives = embedding_requests(body, svc)
-    ids = [await common.start(svc, who, request, native) for native in natives]
+    ids = await common.start(svc, who, request, natives)
     records = await asyncio.gather(*(common.wait_record(svc, who, rid, svc.settings.default_timeout_s) for rid in ids))
     return JSONResponse(embeddings_response(list(records), adapter, body), headers={"x-request-id": ",".join(ids)})
 

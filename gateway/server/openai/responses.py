@@ -219,7 +219,7 @@ async def _stream(
 @router.post("/responses", summary="Create a response (OpenAI Responses API)")
 async def create_response(body: ResponseRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
     svc = services(request)
-    request_id = await common.start(svc, who, request, response_request(body, svc))
+    (request_id,) = await common.start(svc, who, request, [response_request(body, svc)])
     headers = {"x-request-id": request_id}
     if body.stream:
         created = common.created()

@@ -1,12 +1,16 @@
 """JobStore: the request lifecycle on top of the scripts in scripts.py.
 
-submit -> (queue stream) -> start [attempt n] -> emit* -> finish, with cancel and expiry
-from outside. A run holds its attempt number (its fence) from start to finish."""
+submit -> (its tenant's queue) -> take [attempt n] -> emit* -> finish, with cancel and
+expiry from outside, leases renewed while a run lives, and reclaim / hand-over putting a
+running request back at the front of the line. A run holds its attempt number (its
+fence) from start to finish."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -25,37 +29,51 @@ from gateway.protocol import (
     WebhookSpec,
     utc,
 )
-from gateway.protocol.redis_keys import (
-    BACKLOG,
-    CANCEL_CHANNEL,
-    DEADLINES,
-    DISPATCH_GROUP,
-    DONE_CHANNEL,
-    QUEUE_REGISTRY,
-    RESULTS_STREAM,
-    RUNNING,
-    events_key,
-    idempotency_key,
-    request_key,
-)
+from gateway.protocol.redis_keys import CANCEL_CHANNEL, DONE_CHANNEL, Shard, all_shards, shard_for_tenant, shard_of
 from gateway.server.queue import scripts
 
 # The `running` event of a request started by SUBMIT itself (its first attempt).
 RUNNING_FIRST = json.dumps({"attempt": 1, "restarted": False, "resume_from": 0})
+# How long a dispatcher's last TAKE is remembered (a replay after a lost reply).
+TAKE_TOKEN_TTL_S = 60
 
 
-def tokens_key(request_id: str) -> str:
-    return f"tokens:{request_id}"
+@dataclass(frozen=True)
+class Admission:
+    """The limits one submission is admitted under (see SUBMIT)."""
+
+    max_backlog: int  # interactive requests waiting in the shard
+    max_batch_backlog: int  # batch-band requests waiting in the shard
+    max_bytes: int  # payload bytes waiting in the shard
+    tenant_max_queued: int = 0  # this tenant's own cap in its band class (0: none)
+    reserve: int = 0  # below this many waiting, the tenant is admitted even when the backlog is full
+    weight: float = 1.0
+    max_concurrent: int = 0
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    payload: dict[str, Any]
+    created_at: float
+    deadline: float
+    idempotency: tuple[str, str] | None = None  # (key, body hash)
 
 
 @dataclass(frozen=True)
 class Submitted:
     outcome: str  # "accepted", "started" (accepted and begun here), "existing" (idempotent replay) or "full"
-    request_id: str | None = None
-    body_hash: str | None = None
-    reason: str = ""  # full: backlog, bytes or tenant
+    # existing: per request, the (id, body hash) of the earlier submission with its key
+    existing: list[tuple[str, str]] = field(default_factory=list)
+    reason: str = ""  # full: backlog, batch, bytes or tenant
     count: int = 0
-    entry: str = ""  # accepted or started: its queue entry
+
+
+@dataclass(frozen=True)
+class Emitted:
+    outcome: str  # ok, cancel, stale, gap
+    event_id: str  # the token event's stream id ('' when nothing was added)
+    emitted: int  # pieces in the stream after the call
 
 
 @dataclass
@@ -74,8 +92,7 @@ class Job:
     emitted: int
     cancel_requested: bool
     stored: bool  # the binder has written the result to MongoDB
-    stream: str = ""
-    entry: str = ""
+    band: str = "normal"
     replica: str | None = None
     # Token ids already emitted by earlier runs (engine path), to resume from.
     emitted_ids: list[int] = field(default_factory=list)
@@ -95,11 +112,14 @@ class Job:
             emitted=int(h.get("emitted", 0)),
             cancel_requested=h.get("cancel") == "1",
             stored=h.get("stored") == "1",
-            stream=h.get("stream", ""),
-            entry=h.get("entry", ""),
+            band=h.get("band", "normal"),
             replica=h.get("replica"),
             emitted_ids=[int(t) for t in tokens.split(",") if t],
         )
+
+    @property
+    def shard(self) -> Shard:
+        return shard_of(self.request_id)
 
     def record(
         self,
@@ -128,7 +148,7 @@ class Job:
             error=error,
             replica=replica,
             route=route,
-            usage=usage,
+            usage=usage if usage is not None else self.queued_usage(status),
             attempts=self.attempts,
             created_at=datetime.fromtimestamp(self.created_at, tz=UTC),
             started_at=utc(started),
@@ -145,116 +165,174 @@ class Job:
             trace_id=self.payload.get("trace_id"),
         )
 
+    def queued_usage(self, status: State) -> Usage | None:
+        """A request that ended without running (cancelled or expired while queued)
+        still reports the prompt it was admitted with: no tokens were generated."""
+        prompt = self.payload.get("prompt_tokens")
+        if prompt is None or status == State.SUCCEEDED:
+            return None
+        return Usage(prompt_tokens=int(prompt), completion_tokens=0)
+
 
 class JobStore:
-    def __init__(self, redis: Redis, *, live_state_ttl_s: int, idempotency_ttl_s: int) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        shards: int = 1,
+        live_state_ttl_s: int,
+        idempotency_ttl_s: int,
+        lease_ms: int = 15_000,
+    ) -> None:
         self.redis = redis
+        self.shards = all_shards(shards)
         self.live_state_ttl_s = live_state_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
+        self.lease_ms = lease_ms
+        # Called with every record this process ends (run, cancel while queued, expiry):
+        # each request is counted once, by the process that ended it.
+        self.on_ended: list[Callable[[ResultRecord], None]] = []
         self._submit = redis.register_script(scripts.SUBMIT)
-        self._start = redis.register_script(scripts.START)
+        self._take = redis.register_script(scripts.TAKE)
         self._emit = redis.register_script(scripts.EMIT)
-        self._check = redis.register_script(scripts.CHECK)
+        self._renew = redis.register_script(scripts.RENEW)
+        self._reclaim = redis.register_script(scripts.RECLAIM)
+        self._handover = redis.register_script(scripts.HANDOVER)
         self._finish = redis.register_script(scripts.FINISH)
         self._cancel = redis.register_script(scripts.CANCEL)
 
+    def shard_for(self, tenant: str) -> Shard:
+        return self.shards[shard_for_tenant(tenant, len(self.shards))]
+
+    def _lease_end(self) -> int:
+        return int(time.time() * 1000) + self.lease_ms
+
+    async def idempotent(self, tenant: str, key: str) -> tuple[str, str] | None:
+        """(request id, body hash) of an earlier submission with this key, if any."""
+        found = await self.redis.get(self.shard_for(tenant).idempotency(tenant, key))
+        if not found:
+            return None
+        previous = json.loads(found)
+        return previous["id"], previous["hash"]
+
     async def submit(
         self,
+        requests: list[NewRequest],
         *,
-        request_id: str,
         model: str,
         tenant: str,
-        payload: dict[str, Any],
-        created_at: float,
-        deadline: float,
-        stream: str,
         band: str,
-        max_backlog: int,
-        max_backlog_bytes: int,
-        tenant_max_queued: int = 0,
-        idempotency: tuple[str, str] | None = None,
+        admission: Admission,
         start_as: str = "",
+        light_only: bool = False,
     ) -> Submitted:
-        """idempotency is (key, body hash): the same key returns the first request's id.
-        start_as: the consumer (this process's) to start the request at once, if nothing of
-        its model is queued (outcome "started", with its queue entry)."""
-        idem_key = idempotency_key(tenant, idempotency[0]) if idempotency else ""
-        idem_value = json.dumps({"id": request_id, "hash": idempotency[1]}) if idempotency else ""
-        queued = json.dumps({"request_id": request_id, "model": model, "created_at": created_at})
-        reply = await self._submit(
-            keys=[
-                request_key(request_id),
-                events_key(request_id),
-                stream,
-                DEADLINES,
-                BACKLOG,
-                idem_key,
-                QUEUE_REGISTRY,
-                RUNNING,
-            ],
-            args=[
-                request_id,
-                model,
-                tenant,
-                json.dumps(payload, separators=(",", ":")),
-                created_at,
-                deadline,
-                max_backlog,
-                max_backlog_bytes,
-                queued,
-                idem_value,
-                self.idempotency_ttl_s,
-                time.time(),
-                tenant_max_queued,
-                band,
-                DISPATCH_GROUP,
-                start_as,
-                RUNNING_FIRST,
-            ],
-        )
+        """Queue requests of one tenant and model, all or none. With one request and
+        start_as (this process's consumer), it starts at once if nothing of its model waits
+        in its shard (outcome "started")."""
+        shard = shard_of(requests[0].request_id)
+        args: list[Any] = [
+            shard.prefix,
+            model,
+            tenant,
+            band,
+            time.time(),
+            self.idempotency_ttl_s,
+            admission.max_backlog,
+            admission.max_batch_backlog,
+            admission.max_bytes,
+            admission.tenant_max_queued,
+            admission.reserve,
+            repr(float(admission.weight)),
+            admission.max_concurrent,
+            start_as if len(requests) == 1 else "",
+            self._lease_end(),
+            RUNNING_FIRST,
+            "1" if light_only else "0",
+            len(requests),
+        ]
+        for new in requests:
+            idem = new.idempotency
+            args += [
+                new.request_id,
+                json.dumps(new.payload, separators=(",", ":")),
+                new.created_at,
+                new.deadline,
+                idem[0] if idem else "",
+                json.dumps({"id": new.request_id, "hash": idem[1]}) if idem else "",
+            ]
+        reply = await self._submit(keys=[shard.request(requests[0].request_id)], args=args)
         outcome = reply[0]
         if outcome == "existing":
-            previous = json.loads(reply[1])
-            return Submitted("existing", previous["id"], previous["hash"])
+            found = [json.loads(value) for value in reply[1:]]
+            return Submitted("existing", existing=[(f["id"], f["hash"]) for f in found])
         if outcome == "full":
             return Submitted("full", reason=reply[1], count=int(reply[2] or 0))
-        return Submitted(outcome, request_id, entry=reply[1])
+        return Submitted(outcome)
+
+    async def take(self, shard: Shard, model: str, consumer: str, *, light_only: bool = False) -> Job | str:
+        """Start the next request of `model` in the shard for this consumer: the Job, or
+        "empty" (nothing waits) or "held" (only tenants outside the headroom wait)."""
+        reply = await self._take(
+            keys=[shard.backlog],
+            args=[
+                shard.prefix,
+                model,
+                consumer,
+                time.time(),
+                self._lease_end(),
+                secrets.token_hex(8),
+                "1" if light_only else "0",
+                TAKE_TOKEN_TTL_S,
+            ],
+        )
+        if reply[0] != "run":
+            return str(reply[0])
+        fields = reply[2]
+        return Job.from_hash(str(reply[1]), dict(zip(fields[::2], fields[1::2], strict=True)), reply[3])
 
     async def load(self, request_id: str) -> Job | None:
-        h = await self.redis.hgetall(request_key(request_id))
+        h = await self.redis.hgetall(shard_of(request_id).request(request_id))
         return Job.from_hash(request_id, h) if h else None
 
     async def final_record(self, request_id: str) -> str | None:
         """The terminal record of an ended request, from its event stream (the last event)."""
-        last = await self.redis.xrevrange(events_key(request_id), count=1)
+        last = await self.redis.xrevrange(shard_of(request_id).events(request_id), count=1)
         if last and last[0][1].get("event") in {e.value for e in TERMINAL_EVENT.values()}:
             return last[0][1].get("data")
         return None
 
-    async def start(self, request_id: str, consumer: str, entry: str) -> Job | None:
-        """Mark the request running (again, if a dead dispatcher had it) under a new
-        attempt. None when there is nothing to run: unknown, or already ended."""
-        reply = await self._start(
-            keys=[request_key(request_id), events_key(request_id), BACKLOG, tokens_key(request_id), RUNNING],
-            args=[consumer, time.time(), entry],
+    async def emit(self, request_id: str, attempt: int, index: int, text: str, count: int, ids: list[int]) -> Emitted:
+        """Publish pieces [index, index + count) of run `attempt` as one token event."""
+        shard = shard_of(request_id)
+        reply = await self._emit(
+            keys=[shard.request(request_id)],
+            args=[shard.prefix, request_id, attempt, index, text, count, "".join(f"{t}," for t in ids)],
         )
-        if reply[0] != "run":
-            return None
-        fields = reply[1]
-        return Job.from_hash(request_id, dict(zip(fields[::2], fields[1::2], strict=True)), reply[2])
+        return Emitted(str(reply[0]), str(reply[1] or ""), int(reply[2] or 0))
 
-    async def emit(self, request_id: str, attempt: int, text: str, count: int, ids: list[int]) -> str:
-        """Publish a token event for run `attempt`: 'ok', 'cancel' or 'stale'."""
-        return await self._emit(
-            keys=[request_key(request_id), events_key(request_id), tokens_key(request_id)],
-            args=[attempt, text, count, "".join(f"{t}," for t in ids)],
-        )
-
-    async def check(self, runs: list[tuple[str, int]]) -> list[int]:
-        """For (request id, attempt) pairs: 1 still ours, 2 asked to cancel, 0 stale."""
+    async def renew(self, shard: Shard, consumer: str, runs: list[tuple[str, int]]) -> list[int]:
+        """Renew the leases of (request id, attempt) runs in a shard: per run 1 still ours,
+        2 asked to cancel, 0 stale."""
         if not runs:
             return []
-        return await self._check(keys=[request_key(rid) for rid, _ in runs], args=[a for _, a in runs])
+        args: list[Any] = [shard.prefix, consumer, self._lease_end()]
+        for request_id, attempt in runs:
+            args += [request_id, attempt]
+        return [int(flag) for flag in await self._renew(keys=[shard.leases], args=args)]
+
+    async def reclaim(self, shard: Shard, limit: int = 200) -> int:
+        """Put running requests whose lease ran out back at the front of the line."""
+        return int(await self._reclaim(keys=[shard.leases], args=[shard.prefix, int(time.time() * 1000), limit]))
+
+    async def handover(self, consumer: str, request_ids: list[str]) -> int:
+        """Hand this consumer's running requests on to other dispatchers at once."""
+        by_shard: dict[Shard, list[str]] = {}
+        for request_id in request_ids:
+            by_shard.setdefault(shard_of(request_id), []).append(request_id)
+        moved = 0
+        for shard, ids in by_shard.items():
+            moved += int(await self._handover(keys=[shard.leases], args=[shard.prefix, consumer, *ids]))
+        return moved
 
     async def finish(
         self,
@@ -263,57 +341,61 @@ class JobStore:
         allowed: tuple[State, ...] = (State.RUNNING,),
         attempt: int | None = None,
         output_event: dict[str, Any] | None = None,
-    ) -> str | None:
-        """Record the terminal state once; returns the record's JSON, or None if the
-        request was not in an allowed state, or `attempt` is no longer the current run.
-        output_event, if given, is published as an `output` event before the terminal one."""
+        emitted: int | None = None,
+    ) -> str | int | None:
+        """Record the terminal state once; returns the record's JSON, None if the request
+        was not in an allowed state (or `attempt` is no longer the current run), or the
+        number of pieces its stream holds when that is fewer than `emitted` (a gap: the
+        caller sends the missing pieces, then finishes again)."""
         data = record.model_dump_json()
         finished = record.finished_at.timestamp() if record.finished_at else time.time()
-        applied = await self._finish(
-            keys=[
-                request_key(record.request_id),
-                events_key(record.request_id),
-                RESULTS_STREAM,
-                DEADLINES,
-                BACKLOG,
-                tokens_key(record.request_id),
-                RUNNING,
-            ],
+        shard = shard_of(record.request_id)
+        reply = await self._finish(
+            keys=[shard.request(record.request_id)],
             args=[
+                shard.prefix,
+                record.request_id,
                 record.status.value,
                 data,
                 finished,
                 TERMINAL_EVENT[record.status].value,
                 self.live_state_ttl_s,
-                record.request_id,
                 ",".join(s.value for s in allowed),
-                DISPATCH_GROUP,
-                DONE_CHANNEL,
                 json.dumps(output_event) if output_event else "",
                 "" if attempt is None else attempt,
+                DONE_CHANNEL,
+                "" if emitted is None else emitted,
             ],
         )
-        return data if applied else None
+        if reply[0] == "gap":
+            return int(reply[1])
+        if int(reply[0]) != 1:
+            return None
+        for hook in self.on_ended:
+            hook(record)
+        return data
 
     async def cancel(self, request_id: str) -> State | None:
         """Cancel: a queued request ends now; a running one is asked to stop (the flag is
         in its hash, which its dispatcher checks; the pub/sub message is the fast path).
         Returns the state after the call, None if unknown."""
-        state = await self._cancel(keys=[request_key(request_id)], args=[request_id, CANCEL_CHANNEL])
+        shard = shard_of(request_id)
+        state = await self._cancel(keys=[shard.request(request_id)], args=[shard.prefix, request_id, CANCEL_CHANNEL])
         if state == "missing":
             return None
         if state == State.QUEUED.value:
             job = await self.load(request_id)
             canceled = job.record(State.CANCELED) if job is not None and job.state == State.QUEUED else None
-            if canceled is not None and await self.finish(canceled, allowed=(State.QUEUED,)) is not None:
+            if canceled is not None and isinstance(await self.finish(canceled, allowed=(State.QUEUED,)), str):
                 return State.CANCELED
             job = await self.load(request_id)  # it started meanwhile: its dispatcher sees the flag
             return job.state if job else None
         return State(state)
 
-    async def running(self) -> dict[str, int]:
-        """Requests running now, per tenant (all gateways)."""
-        return {k: int(v) for k, v in (await self.redis.hgetall(RUNNING)).items()}
-
     async def backlog(self) -> dict[str, int]:
-        return {k: int(v) for k, v in (await self.redis.hgetall(BACKLOG)).items()}
+        """The backlog counters summed over the shards."""
+        totals: dict[str, int] = {}
+        for shard in self.shards:
+            for key, value in (await self.redis.hgetall(shard.backlog)).items():
+                totals[key] = totals.get(key, 0) + int(value)
+        return totals

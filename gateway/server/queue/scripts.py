@@ -1,170 +1,388 @@
-"""The Lua scripts behind every change of a request's state. Each is atomic, and each is
-idempotent: replayed after a lost reply (redis-py retries on connection errors) it
-changes nothing more. Runs are fenced by their attempt number: START hands one out, and
-EMIT, CHECK and FINISH refuse a stale one, so a dispatcher that lost its request to
-another can neither publish nor finish it."""
+"""The Lua scripts behind every change of a request's state.
 
-# KEYS: req, events, queue stream, deadlines, backlog, idempotency ('' = none), registry, running
-# ARGV: id, model, tenant, payload, created_at, deadline, max_backlog, max_backlog_bytes,
-#       queued event data, idempotency value, idempotency ttl, now, tenant max queued (0 = no limit), band,
-#       dispatch group, consumer to start it at once ('' = queue it), running event data
-#
-# Starting at once (the caller's process has a free slot for the model): only when no
-# request of this model is queued anywhere, so nothing is overtaken. The new entry is
-# read by the caller's consumer in the same script (entries of requests that ended while
-# queued are acknowledged on the way) and the request begins as attempt 1, as START
-# would begin it: one round trip from accepted to running.
-SUBMIT = """
-local existing = redis.call('HMGET', KEYS[1], 'state', 'entry', 'owner', 'attempts')
-if existing[1] then
-  if existing[1] == 'running' and existing[3] == ARGV[16] and existing[4] == '1' then
-    return {'started', existing[2]}
+Each script runs over one shard (gateway.protocol.redis_keys): KEYS[1] is a key of that
+shard (it routes the call to the shard's slot on Redis Cluster) and ARGV[1] the shard's
+key prefix, from which the script names the other keys it touches; all of them carry the
+shard's hash tag, so they live in the same slot.
+
+Each script is atomic and idempotent: replayed after a lost reply (the client retries on
+connection errors) it changes nothing more. Runs are fenced by their attempt number:
+TAKE (or SUBMIT, starting at once) hands one out, and EMIT, RENEW and FINISH refuse a
+stale one, so a dispatcher that lost its request to another can neither publish nor
+finish it.
+
+The queue: a request waits in its tenant's list `q:<model>:<band>:<tenant>`; tenants with
+waiting work are members of `ready:<model>:<band>`, scored by virtual time (start-time
+fair queuing: a tenant's score grows by 1/weight with each request it starts; a tenant
+that becomes ready joins at the band's current virtual time). TAKE serves the lowest
+score of the highest band, so one decision costs O(log tenants)."""
+
+# Shared helpers: counters that vanish at zero, tenant settings, making a tenant ready.
+_HELPERS = """
+local P = ARGV[1]
+local function num(v) return tonumber(v) or 0 end
+local function decr(key, field, by)
+  if by ~= 0 and redis.call('HINCRBY', key, field, -by) <= 0 then redis.call('HDEL', key, field) end
+end
+local function conf(tenant)
+  local c = redis.call('HGET', P .. 'tenants', tenant)
+  if not c then return 1, 0 end
+  local w, l = string.match(c, '^(%S+) (%S+)$')
+  return num(w) > 0 and num(w) or 1, num(l)
+end
+local function at_limit(tenant)
+  local _, limit = conf(tenant)
+  return limit > 0 and num(redis.call('HGET', P .. 'running', 't:' .. tenant)) >= limit
+end
+local function vnow(mb) return num(redis.call('HGET', P .. 'vclock', mb)) end
+-- The tenant has waiting work in (model, band): it joins the ready set at the current
+-- virtual time, unless it is at its concurrency limit (then it waits in blocked:<tenant>).
+local function activate(model, band, tenant)
+  local mb = model .. ':' .. band
+  local ready = P .. 'ready:' .. mb
+  if redis.call('ZSCORE', ready, tenant) then return end
+  if at_limit(tenant) then
+    redis.call('SADD', P .. 'blocked:' .. tenant, mb)
+  else
+    redis.call('ZADD', ready, vnow(mb), tenant)
   end
-  return {'accepted', existing[2] or ''}
 end
-if KEYS[6] ~= '' then
-  local previous = redis.call('GET', KEYS[6])
-  if previous then return {'existing', previous} end
-end
-local counts = redis.call('HMGET', KEYS[5], 'all', 'bytes', 't:' .. ARGV[3], 'm:' .. ARGV[2])
-local size = string.len(ARGV[4])
-if tonumber(counts[1] or '0') >= tonumber(ARGV[7]) then return {'full', 'backlog', counts[1]} end
-if tonumber(counts[2] or '0') + size > tonumber(ARGV[8]) then return {'full', 'bytes', counts[2]} end
-if tonumber(ARGV[13]) > 0 and tonumber(counts[3] or '0') >= tonumber(ARGV[13]) then
-  return {'full', 'tenant', counts[3]}
-end
-if redis.call('ZADD', KEYS[7], ARGV[12], KEYS[3]) == 1 then
-  -- A new queue: its consumer group starts before its first entry.
-  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[3], ARGV[15], '0', 'MKSTREAM')
-end
-local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1])
-redis.call('HSET', KEYS[1], 'state', 'queued', 'model', ARGV[2], 'tenant', ARGV[3], 'payload', ARGV[4],
-  'size', size, 'created_at', ARGV[5], 'deadline', ARGV[6], 'stream', KEYS[3], 'entry', entry,
-  'attempts', 0, 'emitted', 0, 'band', ARGV[14])
-redis.call('XADD', KEYS[2], '*', 'event', 'queued', 'data', ARGV[9])
-redis.call('ZADD', KEYS[4], ARGV[6], ARGV[1])
-if KEYS[6] ~= '' then redis.call('SET', KEYS[6], ARGV[10], 'EX', ARGV[11]) end
-if ARGV[16] ~= '' and tonumber(counts[4] or '0') == 0 then
-  for i = 1, 16 do
-    local read = redis.call('XREADGROUP', 'GROUP', ARGV[15], ARGV[16], 'COUNT', 1, 'STREAMS', KEYS[3], '>')
-    if not read then break end
-    local got = read[1][2][1][1]
-    if got == entry then
-      redis.call('HSET', KEYS[1], 'state', 'running', 'attempts', 1, 'started_at', ARGV[12], 'owner', ARGV[16])
-      redis.call('HINCRBY', KEYS[8], ARGV[3], 1)
-      redis.call('XADD', KEYS[2], '*', 'event', 'running', 'data', ARGV[17])
-      return {'started', entry}
+-- A run of the tenant ended: the ready sets it left at its limit take it back.
+local function unblock(tenant)
+  local blocked = P .. 'blocked:' .. tenant
+  if redis.call('EXISTS', blocked) == 0 or at_limit(tenant) then return end
+  for _, mb in ipairs(redis.call('SMEMBERS', blocked)) do
+    if redis.call('LLEN', P .. 'q:' .. mb .. ':' .. tenant) > 0 then
+      redis.call('ZADD', P .. 'ready:' .. mb, 'NX', vnow(mb), tenant)
+      redis.call('PUBLISH', 'work', P .. string.match(mb, '^(.*):[^:]*$'))
     end
-    redis.call('XACK', KEYS[3], ARGV[15], got)  -- its request ended while it was queued
+  end
+  redis.call('DEL', blocked)
+end
+local function counters(band, tenant)
+  if band == 'batch' then return 'batch', 'b:' .. tenant end
+  return 'all', 't:' .. tenant
+end
+"""
+
+# KEYS[1]: the (first) request's hash.
+# ARGV: prefix, model, tenant, band, now, idempotency ttl, max backlog, max batch backlog,
+#   max backlog bytes, tenant's max queued (0 = none), tenant's reserve, weight, max concurrent,
+#   consumer to start it at once ('' = queue it), lease end (ms), running event data,
+#   light only ('1': start at once only if the tenant runs nothing of this model),
+#   K (requests), then per request: id, payload, created_at, deadline,
+#   idempotency key suffix ('' = none), idempotency value
+# Returns {'accepted'}, {'started'}, {'existing', value per request} or
+# {'full', reason, count}. The K requests are admitted together or not at all.
+#
+# Starting at once (K = 1, the caller's process has a free slot for the model): only when
+# nothing of this model waits in the shard (so nobody is overtaken) and the tenant is
+# below its concurrency limit: one round trip from accepted to running.
+SUBMIT = (
+    _HELPERS
+    + """
+local model, tenant, band, now, consumer = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[14]
+local k = tonumber(ARGV[18])
+local function field(i, n) return ARGV[18 + (i - 1) * 6 + n] end
+local h = redis.call('HMGET', KEYS[1], 'state', 'owner', 'attempts')
+if h[1] then  -- this very call, replayed after a lost reply
+  if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == consumer and h[3] == '1' then return {'started'} end
+  return {'accepted'}
+end
+local existing = {'existing'}
+for i = 1, k do
+  if field(i, 5) ~= '' then
+    local previous = redis.call('GET', P .. 'idem:' .. tenant .. ':' .. field(i, 5))
+    if previous then existing[#existing + 1] = previous end
   end
 end
-redis.call('HINCRBY', KEYS[5], 'all', 1)
-redis.call('HINCRBY', KEYS[5], 'bytes', size)
-redis.call('HINCRBY', KEYS[5], 't:' .. ARGV[3], 1)
-redis.call('HINCRBY', KEYS[5], 'm:' .. ARGV[2], 1)
-return {'accepted', entry}
-"""
-
-# Leaving the backlog (started, or ended while queued).
-_UNQUEUE = """
-local function unqueue(req, backlog)
-  local h = redis.call('HMGET', req, 'tenant', 'model', 'size')
-  redis.call('HINCRBY', backlog, 'all', -1)
-  redis.call('HINCRBY', backlog, 'bytes', -tonumber(h[3] or '0'))
-  redis.call('HINCRBY', backlog, 't:' .. (h[1] or ''), -1)
-  redis.call('HINCRBY', backlog, 'm:' .. (h[2] or ''), -1)
+if #existing > 1 then return existing end
+local total_field, tenant_field = counters(band, tenant)
+local c = redis.call('HMGET', P .. 'backlog', total_field, 'bytes', tenant_field, 'm:' .. model)
+local total, bytes, mine, waiting = num(c[1]), num(c[2]), num(c[3]), num(c[4])
+local size = 0
+for i = 1, k do size = size + string.len(field(i, 2)) end
+if bytes + size > num(ARGV[9]) then return {'full', 'bytes', tostring(bytes)} end
+if num(ARGV[10]) > 0 and mine + k > num(ARGV[10]) then return {'full', 'tenant', tostring(mine)} end
+local cap = band == 'batch' and num(ARGV[8]) or num(ARGV[7])
+if total + k > cap and mine + k > num(ARGV[11]) then
+  return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}
 end
-"""
-
-# KEYS: req, events, backlog, tokens, running.  ARGV: consumer, now, entry id
-START = (
-    _UNQUEUE
-    + """
-local h = redis.call('HMGET', KEYS[1], 'state', 'entry', 'emitted', 'attempts')
-local state = h[1]
-if not state then return {'missing'} end
-if h[2] ~= ARGV[3] then return {'other_entry'} end
-if state ~= 'queued' and state ~= 'running' then return {'done', state} end
-if state == 'queued' then
-  unqueue(KEYS[1], KEYS[3])
-  redis.call('HINCRBY', KEYS[5], redis.call('HGET', KEYS[1], 'tenant') or '', 1)
+redis.call('HSET', P .. 'tenants', tenant, ARGV[12] .. ' ' .. ARGV[13])
+local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', P .. 'running', 'm:' .. model .. ':' .. tenant)) == 0
+local start_now = k == 1 and consumer ~= '' and waiting == 0 and light_ok and not at_limit(tenant)
+  and redis.call('LLEN', P .. 'reclaimed:' .. model) == 0
+local q = P .. 'q:' .. model .. ':' .. band .. ':' .. tenant
+for i = 1, k do
+  local id, payload = field(i, 1), field(i, 2)
+  local req = P .. 'req:' .. id
+  redis.call('HSET', req, 'state', 'queued', 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
+    'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'attempts', 0, 'emitted', 0)
+  local events = P .. 'events:' .. id
+  redis.call('XADD', events, '*', 'event', 'queued', 'data',
+    cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))}))
+  redis.call('ZADD', P .. 'deadlines', field(i, 4), id)
+  if field(i, 5) ~= '' then
+    redis.call('SET', P .. 'idem:' .. tenant .. ':' .. field(i, 5), field(i, 6), 'EX', ARGV[6])
+  end
+  if start_now then
+    redis.call('HSET', req, 'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer)
+    redis.call('HINCRBY', P .. 'running', 't:' .. tenant, 1)
+    redis.call('HINCRBY', P .. 'running', 'm:' .. model .. ':' .. tenant, 1)
+    redis.call('ZADD', P .. 'leases', ARGV[15], id)
+    redis.call('XADD', events, '*', 'event', 'running', 'data', ARGV[16])
+    return {'started'}
+  end
+  redis.call('RPUSH', q, id)
 end
-local attempt = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-redis.call('HSET', KEYS[1], 'state', 'running', 'started_at', ARGV[2], 'owner', ARGV[1])
-redis.call('XADD', KEYS[2], '*', 'event', 'running', 'data',
-  cjson.encode({attempt = attempt, restarted = (state == 'running'), resume_from = tonumber(h[3] or '0')}))
-return {'run', redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[4]) or ''}
+activate(model, band, tenant)
+redis.call('HINCRBY', P .. 'backlog', total_field, k)
+redis.call('HINCRBY', P .. 'backlog', tenant_field, k)
+redis.call('HINCRBY', P .. 'backlog', 'bytes', size)
+redis.call('HINCRBY', P .. 'backlog', 'm:' .. model, k)
+if waiting == 0 then redis.call('PUBLISH', 'work', P .. model) end
+return {'accepted'}
 """
 )
 
-# KEYS: req, events, tokens.  ARGV: attempt, text, count, token ids ('1,2,3,' or '')
-# Returns 'ok', 'cancel' (published, but the request is asked to stop) or 'stale'.
+# KEYS[1]: the shard's backlog hash.
+# ARGV: prefix, model, consumer, now, lease end (ms), take token, light only ('1': only a
+#   tenant that runs nothing of this model now, the headroom kept for light tenants),
+#   token ttl (s)
+# Returns {'run', id, request hash, token ids}, {'empty'} or {'held'} (work waits, but only
+# for tenants that are not light: the headroom is kept).
+TAKE = (
+    _HELPERS
+    + """
+local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
+local takekey = P .. 'take:' .. consumer
+local last = redis.call('GET', takekey)
+if last then
+  local rid, tok = string.match(last, '^(%S+) (%S+)$')
+  if tok == token then  -- this very call, replayed after a lost reply: the same answer
+    local req = P .. 'req:' .. rid
+    local h = redis.call('HMGET', req, 'state', 'owner')
+    if h[1] == 'running' and h[2] == consumer then
+      return {'run', rid, redis.call('HGETALL', req), redis.call('GET', P .. 'tokens:' .. rid) or ''}
+    end
+    return {'empty'}
+  end
+end
+local function start(rid, restarted)
+  local req = P .. 'req:' .. rid
+  local h = redis.call('HMGET', req, 'tenant', 'band', 'size', 'emitted')
+  if not restarted then
+    local total_field, tenant_field = counters(h[2], h[1])
+    decr(P .. 'backlog', total_field, 1)
+    decr(P .. 'backlog', tenant_field, 1)
+    decr(P .. 'backlog', 'bytes', num(h[3]))
+    decr(P .. 'backlog', 'm:' .. model, 1)
+    redis.call('HINCRBY', P .. 'running', 't:' .. h[1], 1)
+    redis.call('HINCRBY', P .. 'running', 'm:' .. model .. ':' .. h[1], 1)
+  end
+  local attempt = redis.call('HINCRBY', req, 'attempts', 1)
+  redis.call('HSET', req, 'state', 'running', 'started_at', now, 'owner', consumer)
+  redis.call('ZADD', P .. 'leases', ARGV[5], rid)
+  redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
+    cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
+  redis.call('SET', takekey, rid .. ' ' .. token, 'EX', ARGV[8])
+  return {'run', rid, redis.call('HGETALL', req), redis.call('GET', P .. 'tokens:' .. rid) or ''}
+end
+-- Requests whose dispatcher died (or handed them over) first: they were running.
+local reclaimed = P .. 'reclaimed:' .. model
+for i = 1, 32 do
+  local rid = redis.call('LPOP', reclaimed)
+  if not rid then break end
+  local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner')
+  if h[1] == 'running' and not h[2] then return start(rid, true) end
+end
+local light = ARGV[7] == '1'
+local held = false
+for _, band in ipairs({'high', 'normal', 'low', 'batch'}) do
+  local mb = model .. ':' .. band
+  local ready = P .. 'ready:' .. mb
+  for i = 1, 64 do
+    local heads = redis.call('ZRANGE', ready, 0, light and 7 or 0, 'WITHSCORES')
+    if #heads == 0 then break end
+    local head_score = tonumber(heads[2])
+    local tenant, score = nil, nil
+    for j = 1, #heads, 2 do
+      local t = heads[j]
+      if at_limit(t) then
+        redis.call('ZREM', ready, t)
+        redis.call('SADD', P .. 'blocked:' .. t, mb)
+      elseif not light or num(redis.call('HGET', P .. 'running', 'm:' .. model .. ':' .. t)) == 0 then
+        tenant, score = t, tonumber(heads[j + 1])
+        break
+      end
+    end
+    if not tenant then
+      if light and redis.call('ZCARD', ready) > 0 then held = true break end
+    else
+      local q = P .. 'q:' .. mb .. ':' .. tenant
+      local rid = redis.call('LPOP', q)
+      if redis.call('LLEN', q) == 0 then
+        redis.call('ZREM', ready, tenant)
+      else
+        local weight = conf(tenant)
+        redis.call('ZADD', ready, score + 1 / weight, tenant)
+      end
+      if head_score > vnow(mb) then redis.call('HSET', P .. 'vclock', mb, head_score) end
+      if rid and redis.call('HGET', P .. 'req:' .. rid, 'state') == 'queued' then return start(rid, false) end
+    end
+  end
+  if held then break end
+end
+if held then return {'held'} end
+return {'empty'}
+"""
+)
+
+# KEYS[1]: the request hash.  ARGV: prefix, id, attempt, index of the first piece, text,
+#   piece count, token ids ('1,2,3,' or '')
+# Returns {outcome, event id, pieces emitted}: outcome 'ok', 'cancel' (published, but the
+# request is asked to stop), 'stale' (another run took over), 'gap' (the stream holds
+# fewer pieces than index: send again from there). A replay of pieces already in the
+# stream changes nothing ('ok', '').
 EMIT = """
+local P, id = ARGV[1], ARGV[2]
 local h = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'emitted', 'cancel')
-if h[1] ~= 'running' or h[2] ~= ARGV[1] then return 'stale' end
-local index = tonumber(h[3] or '0')
-redis.call('XADD', KEYS[2], '*', 'event', 'token', 'data',
-  cjson.encode({index = index, count = tonumber(ARGV[3]), text_output = ARGV[2]}))
-redis.call('HSET', KEYS[1], 'emitted', index + tonumber(ARGV[3]))
-if ARGV[4] ~= '' then redis.call('APPEND', KEYS[3], ARGV[4]) end
-if h[4] == '1' then return 'cancel' end
-return 'ok'
+if h[1] ~= 'running' or h[2] ~= ARGV[3] then return {'stale', '', 0} end
+local emitted = tonumber(h[3] or '0')
+local index, count = tonumber(ARGV[4]), tonumber(ARGV[6])
+local outcome = h[4] == '1' and 'cancel' or 'ok'
+if index + count <= emitted then return {outcome, '', emitted} end
+if index ~= emitted then return {'gap', '', emitted} end
+local event = redis.call('XADD', P .. 'events:' .. id, '*', 'event', 'token', 'data',
+  cjson.encode({index = index, count = count, text_output = ARGV[5]}))
+redis.call('HSET', KEYS[1], 'emitted', index + count)
+if ARGV[7] ~= '' then redis.call('APPEND', P .. 'tokens:' .. id, ARGV[7]) end
+return {outcome, event, index + count}
 """
 
-# KEYS: req keys.  ARGV: the attempt each run holds, in the same order.
-# Returns per run: 1 still ours, 2 ours but asked to cancel, 0 stale (another run took over).
-CHECK = """
+# KEYS[1]: the shard's leases.  ARGV: prefix, consumer, lease end (ms), then pairs of
+#   request id and the attempt its run holds.
+# Renews the leases of the runs still ours; returns per run: 1 still ours, 2 ours but
+# asked to cancel, 0 stale (another run took over, or it was handed on).
+RENEW = """
+local P = ARGV[1]
 local out = {}
-for i, key in ipairs(KEYS) do
-  local h = redis.call('HMGET', key, 'state', 'attempts', 'cancel')
-  if h[1] ~= 'running' or h[2] ~= ARGV[i] then out[i] = 0
-  elseif h[3] == '1' then out[i] = 2
-  else out[i] = 1 end
+for i = 4, #ARGV, 2 do
+  local h = redis.call('HMGET', P .. 'req:' .. ARGV[i], 'state', 'attempts', 'cancel', 'owner')
+  if h[1] ~= 'running' or h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[2] then
+    out[#out + 1] = 0
+  else
+    redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i])
+    out[#out + 1] = h[3] == '1' and 2 or 1
+  end
 end
 return out
 """
 
-# KEYS: req, events, results, deadlines, backlog, tokens, running
-# ARGV: status, record, finished_at, terminal event, ttl, id, allowed states (a,b), group,
-#       done channel, output event data ('' = none), attempt ('' = not a run: cancel, expiry)
+# KEYS[1]: the shard's leases.  ARGV: prefix, now (ms), limit
+# Running requests whose lease ran out (their dispatcher died or stalled) go to the front
+# of the line (`reclaimed:<model>`), to be started again by any dispatcher.
+RECLAIM = """
+local P = ARGV[1]
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))
+local woken = {}
+for _, rid in ipairs(due) do
+  redis.call('ZREM', KEYS[1], rid)
+  local req = P .. 'req:' .. rid
+  local h = redis.call('HMGET', req, 'state', 'model')
+  if h[1] == 'running' then
+    redis.call('HDEL', req, 'owner')
+    redis.call('RPUSH', P .. 'reclaimed:' .. h[2], rid)
+    woken[h[2]] = true
+  end
+end
+for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
+return #due
+"""
+
+# KEYS[1]: the shard's leases.  ARGV: prefix, consumer, then request ids.
+# A stopping dispatcher hands its running requests on: each goes to the front of the line
+# at once (no lease to wait out), if it is still running and still ours.
+HANDOVER = """
+local P = ARGV[1]
+local moved = 0
+local woken = {}
+for i = 3, #ARGV do
+  local req = P .. 'req:' .. ARGV[i]
+  local h = redis.call('HMGET', req, 'state', 'model', 'owner')
+  if h[1] == 'running' and h[3] == ARGV[2] then
+    redis.call('HDEL', req, 'owner')
+    redis.call('ZREM', KEYS[1], ARGV[i])
+    redis.call('RPUSH', P .. 'reclaimed:' .. h[2], ARGV[i])
+    woken[h[2]] = true
+    moved = moved + 1
+  end
+end
+for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
+return moved
+"""
+
+# KEYS[1]: the request hash.
+# ARGV: prefix, id, status, record, finished_at, terminal event, ttl, allowed states (a,b),
+#   output event data ('' = none), attempt ('' = not a run: cancel, expiry), done channel,
+#   pieces the run emitted ('' = not a streamed run)
+# Returns {1} when applied, {0} when the request was not in an allowed state (or the
+# attempt is stale), {'gap', emitted} when the stream holds fewer pieces than the run
+# sent (Redis lost writes: send them again first).
 FINISH = (
-    _UNQUEUE
+    _HELPERS
     + """
-local h = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'stream', 'entry')
+local req, id = KEYS[1], ARGV[2]
+local h = redis.call('HMGET', req, 'state', 'attempts', 'model', 'band', 'tenant', 'size', 'owner', 'emitted')
 local state = h[1]
-if not state then return 0 end
+if not state then return {0} end
 local allowed = false
-for s in string.gmatch(ARGV[7], '[^,]+') do
+for s in string.gmatch(ARGV[8], '[^,]+') do
   if s == state then allowed = true end
 end
-if not allowed then return 0 end
-if ARGV[11] ~= '' and h[2] ~= ARGV[11] then return 0 end
-if state == 'queued' then unqueue(KEYS[1], KEYS[5]) end
-if state == 'running' then
-  redis.call('HINCRBY', KEYS[7], redis.call('HGET', KEYS[1], 'tenant') or '', -1)
+if not allowed then return {0} end
+if ARGV[10] ~= '' and h[2] ~= ARGV[10] then return {0} end
+if ARGV[12] ~= '' and num(h[8]) < num(ARGV[12]) then return {'gap', num(h[8])} end
+local model, band, tenant = h[3], h[4], h[5]
+if state == 'queued' then
+  local total_field, tenant_field = counters(band, tenant)
+  decr(P .. 'backlog', total_field, 1)
+  decr(P .. 'backlog', tenant_field, 1)
+  decr(P .. 'backlog', 'bytes', num(h[6]))
+  decr(P .. 'backlog', 'm:' .. model, 1)
+  local q = P .. 'q:' .. model .. ':' .. band .. ':' .. tenant
+  redis.call('LREM', q, 1, id)
+  if redis.call('LLEN', q) == 0 then redis.call('ZREM', P .. 'ready:' .. model .. ':' .. band, tenant) end
+elseif state == 'running' then
+  decr(P .. 'running', 't:' .. tenant, 1)
+  decr(P .. 'running', 'm:' .. model .. ':' .. tenant, 1)
+  redis.call('ZREM', P .. 'leases', id)
+  if not h[7] then redis.call('LREM', P .. 'reclaimed:' .. model, 1, id) end
+  unblock(tenant)
 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'finished_at', ARGV[3])
-redis.call('HDEL', KEYS[1], 'payload', 'owner')
-if ARGV[10] ~= '' then redis.call('XADD', KEYS[2], '*', 'event', 'output', 'data', ARGV[10]) end
-redis.call('XADD', KEYS[2], '*', 'event', ARGV[4], 'data', ARGV[2])
-redis.call('XADD', KEYS[3], '*', 'id', ARGV[6], 'record', ARGV[2])
-redis.call('ZREM', KEYS[4], ARGV[6])
-if h[3] and h[4] then redis.call('XACK', h[3], ARGV[8], h[4]) end
-redis.call('DEL', KEYS[6])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('HSET', req, 'state', ARGV[3], 'finished_at', ARGV[5])
+redis.call('HDEL', req, 'payload', 'owner')
+local events = P .. 'events:' .. id
+if ARGV[9] ~= '' then redis.call('XADD', events, '*', 'event', 'output', 'data', ARGV[9]) end
+redis.call('XADD', events, '*', 'event', ARGV[6], 'data', ARGV[4])
+redis.call('XADD', P .. 'results', '*', 'id', id, 'record', ARGV[4])
+redis.call('ZREM', P .. 'deadlines', id)
+redis.call('DEL', P .. 'tokens:' .. id)
+redis.call('EXPIRE', req, ARGV[7])
+redis.call('EXPIRE', events, ARGV[7])
 -- The message carries the record, so a waiting client needs no further read.
-redis.call('PUBLISH', ARGV[9], ARGV[6] .. '\\n' .. ARGV[2])
-return 1
+redis.call('PUBLISH', ARGV[11], id .. '\\n' .. ARGV[4])
+return {1}
 """
 )
 
-# KEYS: req.  ARGV: id, cancel channel.  Never re-creates a hash that has expired.
+# KEYS[1]: the request hash.  ARGV: prefix, id, cancel channel.
+# Never re-creates a hash that has expired.
 CANCEL = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
 if state ~= 'queued' and state ~= 'running' then return state end
 redis.call('HSET', KEYS[1], 'cancel', '1')
-if state == 'running' then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
+if state == 'running' then redis.call('PUBLISH', ARGV[3], ARGV[2]) end
 return state
 """

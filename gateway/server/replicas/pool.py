@@ -2,8 +2,11 @@
 least-outstanding choice (LLMs get a cache-aware choice through a router).
 
 A replica is used only while its last probe found the server ready and listing the
-model READY. A replica that fails a call at the transport level is ejected at once and
-comes back when a probe finds it healthy again. The set of replicas can change while
+model READY. A replica that fails a call at the transport level, or refuses a probe, is
+ejected at once and comes back when a probe finds it healthy again (its channel
+reconnects within a second, so a restarted Triton is used again within a probe interval
+of being ready). A replica that only answers probes late (busy) stays in until it misses
+several in a row: load is not a fault. The set of replicas can change while
 running (DNS discovery): new addresses join, gone ones leave once idle."""
 
 from __future__ import annotations
@@ -15,12 +18,26 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import tritonclient.grpc.aio as triton_aio
-from tritonclient.grpc import KeepAliveOptions
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 
 log = logging.getLogger(__name__)
 
-# Find a peer that vanished without closing its connection (a partition, a dead host).
-KEEPALIVE = KeepAliveOptions(keepalive_time_ms=10_000, keepalive_timeout_ms=5_000, keepalive_permit_without_calls=True)
+SLOW_PROBES_TO_EJECT = 3
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+    # Find a peer that vanished without closing its connection (a partition, a dead host).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 2),
+    # gRPC backs off reconnecting up to 120 s by default: a Triton that restarted would
+    # be found by the probes only that late. Reconnect within a probe interval instead.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclass(eq=False)
@@ -35,6 +52,8 @@ class Replica:
     # Bumped each time the replica comes back after being unhealthy (a restart, maybe).
     generation: int = 0
     removed: bool = False
+    # Probes in a row that timed out (a busy server answers late: not a fault by itself).
+    slow_probes: int = 0
 
     def serves(self, model: str) -> bool:
         return self.healthy and not self.removed and model in self.ready_models
@@ -62,7 +81,7 @@ class ReplicaPool:
     def _add(self, url: str) -> Replica:
         replica = Replica(
             url=url,
-            client=triton_aio.InferenceServerClient(url, keepalive_options=KEEPALIVE),
+            client=triton_aio.InferenceServerClient(url, channel_args=CHANNEL_OPTIONS),
             max_inflight=self.max_inflight,
         )
         self.replicas.append(replica)
@@ -109,7 +128,15 @@ class ReplicaPool:
             models = frozenset(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
             healthy = bool(ready and models)
             error = "" if healthy else "server not ready"
-        except Exception as exc:  # unreachable, timeout, gRPC error: all mean not usable now
+            replica.slow_probes = 0
+        except TimeoutError:
+            # Under load a probe can wait behind the work: only a replica that stays silent
+            # for several probes in a row is taken out (overload is backpressure, not a fault).
+            replica.slow_probes += 1
+            if replica.slow_probes < SLOW_PROBES_TO_EJECT and replica.healthy:
+                return
+            healthy, models, error = False, frozenset(), f"no answer to {replica.slow_probes} probes in a row"
+        except Exception as exc:  # unreachable, gRPC error: not usable now
             healthy, models, error = False, frozenset(), f"{type(exc).__name__}: {exc}"
         if healthy and not replica.healthy:
             replica.generation += 1

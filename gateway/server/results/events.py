@@ -1,13 +1,13 @@
-"""Server-Sent Events from the requests' event streams, with one Redis reader per
-process: a single XREAD BLOCK covers every stream some client follows and fans the
-entries out, so a thousand SSE clients cost one connection. A new client interrupts the
-blocked read (CLIENT UNBLOCK) so its stream is read at once."""
+"""Server-Sent Events from the requests' event streams, with one Redis reader per shard
+and process: a single XREAD BLOCK covers every stream of that shard some client follows
+and fans the entries out, so a thousand SSE clients cost one connection per shard. A new
+client interrupts the blocked read (CLIENT UNBLOCK) so its stream is read at once."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from gateway.common.retry import LoopHealth, supervise
 from gateway.common.streams import stream_id_order
 from gateway.protocol import EventKind
-from gateway.protocol.redis_keys import events_key
+from gateway.protocol.redis_keys import Shard, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -47,43 +47,67 @@ class _Follower:
     queue: asyncio.Queue[StreamEvent | None] = field(default_factory=asyncio.Queue)
 
 
+@dataclass(eq=False)
+class _ShardReader:
+    """The followers of one shard's streams and the task that reads them."""
+
+    shard: Shard
+    followers: dict[str, set[_Follower]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    connection: Redis | None = None
+    connection_id: int | None = None
+    task: asyncio.Task[None] | None = None
+    health: LoopHealth | None = None
+
+
 class EventHub:
-    def __init__(self, redis: Redis, blocking: Redis, *, max_followers: int = 10_000) -> None:
-        self.redis = redis  # for CLIENT UNBLOCK and checks
-        self.blocking = blocking
+    def __init__(
+        self,
+        redis: Redis,
+        connect_reader: Callable[[Shard], Awaitable[Redis]],
+        *,
+        max_followers: int = 10_000,
+    ) -> None:
+        """connect_reader(shard) gives a client of one connection to the Redis that holds
+        the shard, for blocking reads (its id can be unblocked)."""
+        self.redis = redis  # for checks
+        self.connect_reader = connect_reader
         self.max_followers = max_followers
-        self._followers: dict[str, set[_Follower]] = {}
-        self._changed = asyncio.Event()
-        self._reader: Redis | None = None
-        self._reader_id: int | None = None
-        self._task: asyncio.Task[None] | None = None
-        self.health = LoopHealth("event hub")
+        self._readers: dict[int, _ShardReader] = {}
+        self._closed = False
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(supervise(self.health, self._run), name="event-hub")
+        """Readers start with their first follower."""
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        for followers in self._followers.values():
-            for follower in followers:
-                follower.queue.put_nowait(None)
-        if self._reader is not None:
-            await self._reader.aclose()
+        self._closed = True
+        for reader in self._readers.values():
+            if reader.task:
+                reader.task.cancel()
+        await asyncio.gather(*(r.task for r in self._readers.values() if r.task), return_exceptions=True)
+        for reader in self._readers.values():
+            for followers in reader.followers.values():
+                for follower in followers:
+                    follower.queue.put_nowait(None)
+
+    @property
+    def health(self) -> list[LoopHealth]:
+        return [r.health for r in self._readers.values() if r.health is not None]
 
     @property
     def followers(self) -> int:
-        return sum(len(f) for f in self._followers.values())
+        return sum(len(f) for r in self._readers.values() for f in r.followers.values())
 
     async def follow(self, request_id: str, after: str) -> AsyncIterator[StreamEvent]:
         """The events of a request after `after`, up to and including the terminal one.
         Ends early (returns) if the stream disappears."""
         if self.followers >= self.max_followers:
             raise TooManyStreams(f"{self.max_followers} event streams are being followed")
-        follower = _Follower(events_key(request_id), after)
-        self._followers.setdefault(follower.key, set()).add(follower)
-        await self._interrupt()
+        shard = shard_of(request_id)
+        reader = self._reader(shard)
+        follower = _Follower(shard.events(request_id), after)
+        reader.followers.setdefault(follower.key, set()).add(follower)
+        await self._interrupt(reader)
         try:
             while True:
                 event = await follower.queue.get()
@@ -93,49 +117,57 @@ class EventHub:
                 if event.terminal:
                     return
         finally:
-            followers = self._followers.get(follower.key)
+            followers = reader.followers.get(follower.key)
             if followers is not None:
                 followers.discard(follower)
                 if not followers:
-                    del self._followers[follower.key]
+                    del reader.followers[follower.key]
 
-    async def _interrupt(self) -> None:
+    def _reader(self, shard: Shard) -> _ShardReader:
+        reader = self._readers.get(shard.index)
+        if reader is None:
+            reader = self._readers[shard.index] = _ShardReader(shard)
+        if reader.task is None and not self._closed:
+            reader.health = LoopHealth(f"event reader {shard.prefix}")
+            reader.task = asyncio.create_task(supervise(reader.health, lambda: self._run(reader)), name="event-hub")
+        return reader
+
+    async def _interrupt(self, reader: _ShardReader) -> None:
         """Make the blocked XREAD return so the next one includes the new stream."""
-        self._changed.set()
-        if self._reader_id is not None:
+        reader.changed.set()
+        if reader.connection_id is not None:
             try:
-                await self.redis.client_unblock(self._reader_id)
+                await self.redis.client_unblock(reader.connection_id)
             except Exception as exc:  # the reader is reconnecting; it reads all streams when back
                 log.debug("unblocking the event reader failed: %s", exc)
 
-    async def _run(self) -> None:
-        # One connection of our own, so its id can be unblocked.
-        self._reader = Redis(connection_pool=self.blocking.connection_pool, single_connection_client=True)
+    async def _run(self, reader: _ShardReader) -> None:
         loop = asyncio.get_running_loop()
         last_exists_check = loop.time()
+        connection = reader.connection = await self.connect_reader(reader.shard)
         try:
-            self._reader_id = await self._reader.client_id()
+            reader.connection_id = await connection.client_id()
             while True:
-                if not self._followers:
-                    self._changed.clear()
-                    await self._changed.wait()
+                if not reader.followers:
+                    reader.changed.clear()
+                    await reader.changed.wait()
                     continue
-                self._changed.clear()
-                streams = {key: min((f.after for f in fs), key=stream_id_order) for key, fs in self._followers.items()}
-                reply = await self._reader.xread(streams, count=512, block=BLOCK_MS)
+                reader.changed.clear()
+                streams = {key: min((f.after for f in fs), key=stream_id_order) for key, fs in reader.followers.items()}
+                reply = await connection.xread(streams, count=512, block=BLOCK_MS)
                 for key, entries in reply or []:
-                    self._fan_out(key, entries)
+                    self._fan_out(reader, key, entries)
                 if loop.time() - last_exists_check > EXISTS_EVERY_S:
                     last_exists_check = loop.time()
-                    await self._end_vanished()
+                    await self._end_vanished(reader)
         finally:
-            self._reader_id = None
-            reader, self._reader = self._reader, None
-            if reader is not None:
-                await reader.aclose()
+            reader.connection_id = None
+            reader.connection = None
+            await connection.aclose()
 
-    def _fan_out(self, key: str, entries: list[tuple[str, dict[str, str]]]) -> None:
-        for follower in list(self._followers.get(key, ())):
+    @staticmethod
+    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, dict[str, str]]]) -> None:
+        for follower in list(reader.followers.get(key, ())):
             after = stream_id_order(follower.after)
             for entry_id, fields in entries:
                 if stream_id_order(entry_id) <= after:
@@ -143,8 +175,8 @@ class EventHub:
                 follower.after = entry_id
                 follower.queue.put_nowait(StreamEvent(entry_id, fields.get("event", ""), fields.get("data", "{}")))
 
-    async def _end_vanished(self) -> None:
-        keys = list(self._followers)
+    async def _end_vanished(self, reader: _ShardReader) -> None:
+        keys = list(reader.followers)
         if not keys:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -153,5 +185,5 @@ class EventHub:
             found = await pipe.execute()
         for key, exists in zip(keys, found, strict=True):
             if not exists:
-                for follower in self._followers.get(key, ()):
+                for follower in reader.followers.get(key, ()):
                     follower.queue.put_nowait(None)

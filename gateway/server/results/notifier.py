@@ -13,8 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from redis.asyncio import Redis
-
+from gateway.common.redis import RedisClients
 from gateway.common.retry import LoopHealth, supervise
 from gateway.protocol.redis_keys import DONE_CHANNEL
 
@@ -22,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class CompletionNotifier:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: RedisClients) -> None:
         self.redis = redis
         # Each future gets the record's JSON, or None for "look again" (after a reconnect).
         self._waiters: dict[str, set[asyncio.Future[str | None]]] = defaultdict(set)
@@ -43,21 +42,19 @@ class CompletionNotifier:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _listen(self) -> None:
-        pubsub = self.redis.pubsub()
         try:
-            await pubsub.subscribe(DONE_CHANNEL)
-            self._subscribed.set()
-            self._wake_all()  # endings published while we were not listening: look again
-            while True:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
-                if message is None:
-                    await pubsub.ping()  # notice a dead connection within seconds
-                    continue
-                request_id, _, record = message["data"].partition("\n")
-                self._wake(request_id, record or None)
+            async with self.redis.subscription(DONE_CHANNEL) as pubsub:
+                self._subscribed.set()
+                self._wake_all()  # endings published while we were not listening: look again
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                    if message is None:
+                        await pubsub.ping()  # notice a dead connection within seconds
+                        continue
+                    request_id, _, record = message["data"].partition("\n")
+                    self._wake(request_id, record or None)
         finally:
             self._wake_all()
-            await pubsub.aclose()
 
     def deliver(self, request_id: str, record: str) -> None:
         """Wake this process's waiters at once, without the pub/sub round trip (called by

@@ -1,7 +1,8 @@
 """Per-tenant rate limits over Redis with the `limits` library (sliding-window counters):
-requests per minute, counted at admission, and tokens per minute, counted from real
-usage when requests end (an admission is refused while the window's usage is spent).
-Answers carry OpenAI's x-ratelimit-* headers; a refusal is 429 with Retry-After."""
+requests per minute, counted at admission, and tokens per minute: a request's prompt
+tokens are charged at admission (it is refused if they do not fit the window), its
+completion tokens when they are known (settled at the end). Answers carry OpenAI's
+x-ratelimit-* headers; a refusal is Busy (429 with Retry-After)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from limits import RateLimitItemPerMinute
 from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
-from gateway.server.api.errors import ApiError
+from gateway.server.errors import Busy
 from gateway.server.tenants.config import TenantConfig
 
 
@@ -26,8 +27,9 @@ class Quotas:
         uri = redis_url.replace("redis://", "async+redis://", 1)
         self.limiter = SlidingWindowCounterRateLimiter(RedisStorage(uri, implementation="redispy"))
 
-    async def admit(self, config: TenantConfig, estimated_tokens: int) -> dict[str, str]:
-        """Count one request; the rate-limit headers, or ApiError(429) when over a limit."""
+    async def admit(self, config: TenantConfig, prompt_tokens: int) -> dict[str, str]:
+        """Count one request and charge its prompt tokens; the rate-limit headers, or
+        Busy when over a limit (then nothing is charged for tokens)."""
         limits = config.limits
         headers: dict[str, str] = {}
         if limits.requests_per_minute:
@@ -43,7 +45,7 @@ class Quotas:
                 raise self._refusal("rate_limited", "requests per minute", stats.reset_time, headers)
         if limits.tokens_per_minute:
             item = RateLimitItemPerMinute(limits.tokens_per_minute)
-            allowed = await self.limiter.test(item, "tpm", config.tenant, cost=max(1, estimated_tokens))
+            allowed = await self.limiter.hit(item, "tpm", config.tenant, cost=max(1, prompt_tokens))
             stats = await self.limiter.get_window_stats(item, "tpm", config.tenant)
             headers |= {
                 "x-ratelimit-limit-tokens": str(limits.tokens_per_minute),
@@ -55,7 +57,7 @@ class Quotas:
         return headers
 
     async def used_tokens(self, config: TenantConfig, tokens: int) -> None:
-        """Count the tokens a finished request used (prompt and completion)."""
+        """Charge the tokens a request used beyond what admission charged (its completion)."""
         if config.limits.tokens_per_minute and tokens > 0:
             item = RateLimitItemPerMinute(config.limits.tokens_per_minute)
             # hit() refuses (and counts nothing) once the window is full; what was used is
@@ -66,8 +68,6 @@ class Quotas:
                     await self.limiter.hit(item, "tpm", config.tenant, cost=stats.remaining)
 
     @staticmethod
-    def _refusal(code: str, what: str, reset_time: float, headers: dict[str, str]) -> ApiError:
+    def _refusal(code: str, what: str, reset_time: float, headers: dict[str, str]) -> Busy:
         retry = max(1, math.ceil(reset_time - time.time()))
-        return ApiError(
-            429, code, f"over this tenant's {what}; retry in {retry}s", headers={**headers, "Retry-After": str(retry)}
-        )
+        return Busy(code, f"over this tenant's {what}; retry in {retry}s", retry_after_s=retry, headers=headers)

@@ -1,0 +1,30 @@
+"""What the gateway's use cases raise when they refuse a call, in the domain's terms;
+each API (native, OpenAI) turns them into its own answer (gateway.server.api.errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Refused(Exception):
+    """A call the gateway will not take: `code` is stable, `message` says why."""
+
+    def __init__(self, code: str, message: str, *, details: Any = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.details, self.headers = code, message, details, headers or {}
+
+
+class InvalidRequest(Refused):
+    """It cannot be served as asked (a bad input, an unknown model, a prompt too long)."""
+
+
+class Conflict(Refused):
+    """It contradicts an earlier call (an idempotency key reused with another body)."""
+
+
+class Busy(Refused):
+    """Not now: a backlog is full or a rate limit is spent; `retry_after_s` says when to try."""
+
+    def __init__(self, code: str, message: str, *, retry_after_s: int, headers: dict[str, str] | None = None) -> None:
+        super().__init__(code, message, headers={**(headers or {}), "Retry-After": str(retry_after_s)})
+        self.retry_after_s = retry_after_s
