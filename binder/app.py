@@ -28,10 +28,12 @@ from binder.index.vectors import VectorIndex
 from binder.metrics import BinderMetrics
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue, WebhookSender
+from binder.webhooks.secrets import TenantSecrets
 from gateway.common.logs import configure_logging
 from gateway.common.redis import MAX_BLOCK_MS, RedisClients
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, supervise
+from gateway.protocol.records import TENANTS_COLLECTION
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,11 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
         sender = WebhookSender(
             queue,
             webhook_status,
-            secrets=settings.webhook_secrets,
+            secrets=TenantSecrets(
+                mongo[settings.mongo_db][TENANTS_COLLECTION],
+                settings.webhook_secrets,
+                cache_s=settings.webhook_tenant_secrets_cache_s,
+            ),
             retry_delays=settings.retry_delays,
             jitter=settings.webhook_jitter,
             timeout_s=settings.webhook_timeout_s,
@@ -141,6 +147,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             "stored": parts.archiver.stored_total,
             "index": {space: parts.index.ntotal(space) for space in parts.index.spaces},
             "last_applied": parts.index.positions,
+            "snapshot": parts.index.snapshotted,  # vectors per space a restart would load; null: none yet
             "failing": failing,
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -163,15 +170,31 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
         return {"hits": [{"request_id": rid, "score": score} for rid, score in hits]}
 
     @app.post("/webhooks/{request_id}/replay")
-    async def replay(request_id: str, request: Request, body: ReplayQuery | None = None) -> dict[str, Any]:
+    async def replay(request_id: str, request: Request, body: ReplayQuery | None = None) -> Any:
+        """Queue the stored result's webhook once more: 404 without a stored result (of the
+        tenant, when one is given), 409 without a webhook or while a replay of it is still
+        pending, 429 once its tenant has used WEBHOOK_REPLAYS_PER_MINUTE (Retry-After)."""
         parts = binder(request)
         record = await parts.store.get(request_id, body.tenant if body else None)
         if record is None:
             raise HTTPException(404, f"no stored result {request_id}")
         if record.webhook is None:
             raise HTTPException(409, f"{request_id} has no webhook")
-        created = await parts.queue.enqueue([record], replay=True)
-        return {"request_id": request_id, "deliveries": created}
+        replay = await parts.queue.replay(record, per_minute=settings.webhook_replays_per_minute)
+        if replay.pending is not None:
+            message = f"a replay of {request_id}'s webhook is still pending"
+            return JSONResponse({"detail": message, "code": "replay_pending"}, status_code=409)
+        if replay.retry_after_s is not None:
+            message = (
+                f"tenant {record.tenant} has replayed {settings.webhook_replays_per_minute} webhooks this minute; "
+                f"retry in {replay.retry_after_s}s"
+            )
+            return JSONResponse(
+                {"detail": message, "code": "replay_rate_limited"},
+                status_code=429,
+                headers={"Retry-After": str(replay.retry_after_s)},
+            )
+        return {"request_id": request_id, "deliveries": [replay.queued] if replay.queued else []}
 
     @app.post("/dead-letters/replay")
     async def replay_dead_letters(request: Request) -> dict[str, Any]:

@@ -7,8 +7,6 @@ instead of failing every delivery."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import os
 from pathlib import Path
 from typing import Self
@@ -18,25 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from binder.webhooks.guard import parse_allow_entry
 from binder.webhooks.queue import LEASE_MARGIN_S
 from gateway.common.settings import CommaList, ServiceSettings
-
-SECRET_PREFIX = "whsec_"
-# Standard Webhooks: a secret is 24 to 64 random bytes, base64-encoded after the prefix.
-SECRET_BYTES = (24, 64)
-
-
-def secret_problem(secret: str) -> str | None:
-    """What is wrong with a signing secret (never quoting it), or None."""
-    if not secret.startswith(SECRET_PREFIX):
-        return f"does not start with {SECRET_PREFIX}"
-    body = secret[len(SECRET_PREFIX) :]
-    try:
-        key = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        return f"is not base64 after {SECRET_PREFIX}"
-    low, high = SECRET_BYTES
-    if not low <= len(key) <= high:
-        return f"decodes to {len(key)} bytes, not {low} to {high}"
-    return None
+from gateway.protocol.webhook_secrets import secrets_problem
 
 
 class BinderSettings(ServiceSettings):
@@ -67,7 +47,8 @@ class BinderSettings(ServiceSettings):
     max_deliveries: int = Field(default=5, ge=1)
     faiss_dir: Path = Path(".stack/faiss")
     snapshot_interval_s: float = Field(default=30.0, gt=0)
-    # Webhooks (Standard Webhooks): one or more `whsec_...` secrets, newest first.
+    # Webhooks (Standard Webhooks): one or more `whsec_...` secrets, newest first; they
+    # sign the webhooks of every tenant that has none of its own.
     webhook_secrets: CommaList = []
     # Seconds before each attempt (Svix-like); the first is the initial delivery.
     webhook_retry_schedule: CommaList = ["0", "5", "300", "1800", "7200", "18000", "36000", "36000"]
@@ -80,17 +61,18 @@ class BinderSettings(ServiceSettings):
     webhook_concurrency: int = Field(default=64, ge=1)
     # See the class docstring for the entry syntax.
     webhook_allowlist: CommaList = []
+    # A tenant's own secrets (its document in MongoDB's `tenants` collection, set through
+    # PUT /admin/tenants/<t>) are read at send time and kept this long.
+    webhook_tenant_secrets_cache_s: float = Field(default=5.0, ge=0)
+    # Replays a tenant may ask for per minute (POST /results/<id>/webhook/replay).
+    webhook_replays_per_minute: int = Field(default=10, ge=1)
 
     @field_validator("webhook_secrets")
     @classmethod
     def _secrets_can_sign(cls, secrets: list[str]) -> list[str]:
-        for number, secret in enumerate(secrets, 1):
-            problem = secret_problem(secret)
-            if problem:
-                raise ValueError(
-                    f"secret {number} of {len(secrets)} {problem} "
-                    f"(expected {SECRET_PREFIX} and the base64 of {SECRET_BYTES[0]} to {SECRET_BYTES[1]} random bytes)"
-                )
+        problem = secrets_problem(secrets)
+        if problem:
+            raise ValueError(problem)
         return secrets
 
     @field_validator("webhook_allowlist")

@@ -20,13 +20,13 @@ from binder.webhooks import WebhookQueue
 from gateway.common.result_store import DUPLICATE_KEY, RESULTS_COLLECTION, ResultStore
 from gateway.common.streams import Entry
 from gateway.protocol.redis_keys import BINDER_GROUP, Shard
-
-RESULTS_STREAM = Shard(0).results
-RESULTS_DEAD_LETTERS = Shard(0).results_dead
 from gateway.stack.process import free_port
 from gateway.stack.services import binder_spec
 from tests.conftest import AUTH, kill_by_pid
 from tests.records import mixed_records, publish, text_record
+
+RESULTS_STREAM = Shard(0).results
+RESULTS_DEAD_LETTERS = Shard(0).results_dead
 
 _databases = count(20)
 

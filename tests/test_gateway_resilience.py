@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from datetime import datetime
 
 import httpx
 import pytest
 
 from gateway.stack.process import ManagedProcess
 from tests.conftest import AUTH, kill_by_pid
-from tests.gateway_calls import llm_body, submit, wait_all
+from tests.gateway_calls import llm_body, submit, wait_all, wait_result
 
 
 async def test_a_full_backlog_answers_429_with_retry_after(stack) -> None:
@@ -111,6 +112,26 @@ async def _only(client, replica: str) -> bool:
     return await _ready_replicas(client) == [replica]
 
 
+async def test_a_restarted_triton_serves_within_two_seconds_of_being_ready(stack, two_replicas) -> None:
+    second: ManagedProcess = two_replicas["second_process"]
+    gateway, url = stack.start_gateway(
+        "gateway-only-b", REDIS_URL=stack.redis_db_url(9), **stack.replicas_env(two_replicas["second"])
+    )
+    try:
+        async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=60) as client:
+            kill_by_pid(second)
+            waiting = await submit(client, {"model": "text_embed", "inputs": {"text": "who serves me?"}})
+            second.start()
+            await asyncio.to_thread(second.wait_ready, time.monotonic() + 240)
+            ready_at = time.time()  # wait_ready polls: Triton was ready a little before this
+            record = await wait_result(client, waiting, timeout=120)
+        assert record["status"] == "succeeded"
+        started = datetime.fromisoformat(record["started_at"]).timestamp()
+        assert started - ready_at <= 2.0, f"served {started - ready_at:.2f}s after Triton was ready"
+    finally:
+        stack.stop(gateway)
+
+
 async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) -> None:
     redis_url = stack.redis_db_url(8)
     first, first_url = stack.start_gateway("gateway-doomed", REDIS_URL=redis_url)
@@ -130,3 +151,29 @@ async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) ->
         assert any(r["attempts"] >= 2 for r in records), "no request was reclaimed from the dead gateway"
     finally:
         stack.stop(second)
+
+
+async def test_a_rolling_restart_hands_running_requests_over_without_waiting_for_a_lease(stack) -> None:
+    redis_url = stack.redis_db_url(10)
+    # Leases of 30 s: a request left to run out its lease would finish far later than this test allows.
+    slow_leases = {"REDIS_URL": redis_url, "CLAIM_IDLE_MS": "30000", "DRAIN_S": "1"}
+    first, first_url = stack.start_gateway("gateway-rolling-a", **slow_leases)
+    second, second_url = stack.start_gateway("gateway-rolling-b", **slow_leases)
+    body = {"model": "llm_synthetic", "inputs": {"text_input": "rolling", "max_tokens": 200}, "stream": True}
+    try:
+        async with httpx.AsyncClient(headers=AUTH, base_url=first_url, timeout=60) as client:
+            ids = [await submit(client, body) for _ in range(6)]  # 4 s each; started here at once
+            await asyncio.sleep(0.5)
+            stopped_at = time.time()
+            await asyncio.to_thread(stack.stop, first)  # SIGTERM: drain 1 s, then hand the rest over
+        async with httpx.AsyncClient(headers=AUTH, base_url=second_url, timeout=60) as client:
+            records = await wait_all(client, ids, timeout=120)
+    finally:
+        stack.stop(second)
+    assert {r["status"] for r in records} == {"succeeded"}
+    handed = [r for r in records if r["attempts"] >= 2]
+    assert handed, "no running request was handed over"
+    for record in handed:
+        finished = datetime.fromisoformat(record["finished_at"]).timestamp()
+        # 4 s of generation, a 1 s drain and the stop: nowhere near the 30 s lease.
+        assert finished - stopped_at < 15, f"{record['request_id']} ended {finished - stopped_at:.1f}s after the stop"

@@ -117,6 +117,7 @@ def test_a_cancelled_batch_ends_cancelled_with_what_finished(client) -> None:
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = wait_for(client, batch.id, {"cancelled"}, timeout_s=60)
+    assert done.request_counts.total == 300  # the batch's lines, run or not
     assert done.request_counts.completed < 300
     assert len(read_lines(client, done.output_file_id)) == done.request_counts.completed
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: nothing changes

@@ -237,10 +237,22 @@ async def test_a_request_starts_at_once_when_nothing_of_its_model_waits(store: J
     assert job is not None and job.state == State.RUNNING and job.attempts == 1
 
 
-async def test_a_request_does_not_overtake_waiting_work(store: JobStore) -> None:
+async def test_a_request_does_not_overtake_its_own_tenants_waiting_work(store: JobStore) -> None:
     await queue(store, "t", 1)
+    outcome, _ = await queue(store, "t", 1, start_as="c1")
+    assert outcome == "accepted"
+
+
+async def test_a_request_does_not_overtake_a_higher_band(store: JobStore) -> None:
+    await queue(store, "t", 1, band="high")
     outcome, _ = await queue(store, "u", 1, start_as="c1")
     assert outcome == "accepted"
+
+
+async def test_a_tenant_with_nothing_waiting_starts_at_once_beside_a_backlog(store: JobStore) -> None:
+    await queue(store, "flood", 5)
+    outcome, _ = await queue(store, "light", 1, start_as="c1")
+    assert outcome == "started"
 
 
 # -- leases, reclaim, hand-over -------------------------------------------------------------------

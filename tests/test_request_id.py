@@ -30,12 +30,12 @@ from binder.metrics import results_backlog
 from gateway.deploy.nginx import ensure_nginx, write_local_conf
 from gateway.protocol import ResultRecord
 from gateway.protocol.redis_keys import BINDER_GROUP, Shard
-
-RESULTS_STREAM = Shard(0).results
 from gateway.stack.process import free_port
 from tests.conftest import AUTH
 from tests.gateway_calls import wait_result
 from tests.records import publish, text_record
+
+RESULTS_STREAM = Shard(0).results
 
 TRACE = "abc-123"
 NEW_ID = re.compile(r"[0-9a-f]{32}")  # nginx's $request_id and the gateway's own: the same shape

@@ -15,11 +15,8 @@ import redis.asyncio as aioredis
 
 from gateway.common.result_store import RESULTS_COLLECTION, ResultStore
 from gateway.protocol import ResultRecord
-from gateway.protocol.redis_keys import Shard
-
-RESULTS_STREAM = Shard(0).results
 from tests.conftest import AUTH
-from tests.records import embedding_record, publish, unit_vectors
+from tests.records import RESULTS_STREAM, embedding_record, publish, unit_vectors
 
 DIM = 384
 K = 5
@@ -60,9 +57,18 @@ async def _until(check, timeout: float = 20) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _indexed(url: str, expected: int) -> bool:
+async def _health(url: str) -> dict:
     async with httpx.AsyncClient(headers=AUTH) as client:
-        return (await client.get(f"{url}/healthz")).json()["index"].get("minilm", 0) == expected
+        return (await client.get(f"{url}/healthz")).json()
+
+
+async def _indexed(url: str, expected: int) -> bool:
+    return (await _health(url))["index"].get("minilm", 0) == expected
+
+
+async def _snapshotted(url: str, expected: int) -> bool:
+    """The binder's last snapshot on disk holds that many minilm vectors."""
+    return ((await _health(url))["snapshot"] or {}).get("minilm", 0) == expected
 
 
 async def _each_sees_only_its_own(url: str, a: list[ResultRecord], b: list[ResultRecord]) -> None:
@@ -89,17 +95,21 @@ async def test_a_tenants_search_returns_its_own_k_nearest_and_never_another_tena
 async def test_a_binder_restarted_from_its_snapshot_keeps_each_results_tenant(stack, mongo, isolated) -> None:
     redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
     a, b = _records()
-    process, url = stack.start_binder("binder-tenant-snapshot", **isolated)
+    name = f"binder-tenant-snapshot-{time.time_ns()}"  # its snapshot folder is named after it
+    process, url = stack.start_binder(name, **isolated)
     try:
         await publish(redis, a + b)
-        await _until(lambda: _indexed(url, len(a) + len(b)))
+        # A snapshot of all of them, before the stop: the stop's own last snapshot may not be
+        # written before SIGKILL on a busy machine (stop_processes waits 3 s).
+        await _until(lambda: _snapshotted(url, len(a) + len(b)))
     finally:
-        stack.stop(process)  # a clean stop writes a last snapshot
+        stack.stop(process)
     # Neither the stream nor MongoDB can tell the restarted binder anything: only its snapshot.
     await redis.delete(RESULTS_STREAM)
     await mongo.drop_database(isolated["MONGO_DB"])
-    process, url = stack.start_binder("binder-tenant-snapshot", **isolated)
+    process, url = stack.start_binder(name, **isolated)
     try:
+        assert await _indexed(url, len(a) + len(b))  # loaded before it answers ready
         await _each_sees_only_its_own(url, a, b)
     finally:
         stack.stop(process)

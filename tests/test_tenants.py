@@ -10,6 +10,7 @@ import statistics
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import AUTH
@@ -236,3 +237,121 @@ async def test_a_flooding_tenant_neither_delays_a_light_one_nor_wastes_capacity(
     # Work-conserving: the flood used what the light tenant left (3 of 4 slots at least):
     # 60 requests of ~0.4 s on 3 slots take ~8 s.
     assert flood_s < 60 * 0.4 / 3 * 1.6
+
+
+# -- admission and quotas -----------------------------------------------------------------------
+
+
+async def test_an_idempotent_replay_uses_none_of_the_quota(stack) -> None:
+    await set_tenant(stack, "tenant-replay", limits={"requests_per_minute": 3})
+    async with client_for(stack, await new_key(stack, "tenant-replay")) as client:
+        replays = []
+        for _ in range(5):  # a replay answers like the first call: 202, or 200 once it has ended
+            response = await client.post("/infer", json=ECHO, headers={"Idempotency-Key": "the-same-call"})
+            assert response.status_code in (200, 202), response.text
+            replays.append(response.json()["request_id"])
+        assert len(set(replays)) == 1
+        for _ in range(2):  # the first call used one of three
+            assert (await client.post("/infer", json=ECHO)).status_code == 202
+        refused = await client.post("/infer", json=ECHO)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+
+
+async def test_tokens_per_minute_charge_the_prompt_at_admission(stack) -> None:
+    long_prompt = {"model": "llm_echo", "inputs": {"text_input": "tokens " * 60, "max_tokens": 1}}
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH, timeout=60) as measure:
+        response = await measure.post("/infer", json=long_prompt, headers={"Prefer": "wait=30"})
+        prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    # Room for one prompt and a half: the second fits only if the first's prompt was not charged.
+    await set_tenant(stack, "tenant-tpm-prompt", limits={"tokens_per_minute": prompt_tokens * 3 // 2})
+    async with client_for(stack, await new_key(stack, "tenant-tpm-prompt")) as client:
+        assert (await client.post("/infer", json=long_prompt)).status_code == 202
+        # The first one's ~180 prompt tokens are spent already, whether or not it has ended.
+        refused = await client.post("/infer", json=long_prompt)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "token_rate_limited"
+
+
+async def test_a_batch_does_not_fill_the_interactive_backlog(stack, tmp_path) -> None:
+    from tests.test_openai_batches import chat_line, run_batch
+
+    process, url = stack.start_gateway(
+        "gateway-small-backlog", REDIS_URL=stack.redis_db_url(63), MAX_BACKLOG="20", REPLICA_MAX_INFLIGHT="2"
+    )
+    try:
+        batcher = openai.OpenAI(base_url=f"{url}/v1", api_key=await new_key(stack, "tenant-batcher"), max_retries=0)
+        lines = [chat_line(f"line-{i}", "go on", model="llm_synthetic", max_tokens=40) for i in range(40)]
+        batch = await asyncio.to_thread(run_batch, batcher, lines)
+        async with client_for(stack, await new_key(stack, "tenant-urgent"), url) as urgent:
+            deadline = time.monotonic() + 60
+            while (await asyncio.to_thread(batcher.batches.retrieve, batch.id)).status != "in_progress":
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+            response = await urgent.post("/infer", json={**SHORT, "priority": 10})
+        assert response.status_code == 202, response.text
+    finally:
+        stack.stop(process)
+
+
+# -- revocation --------------------------------------------------------------------------------
+
+
+async def test_a_revoked_key_stops_working_on_every_gateway_at_once(stack) -> None:
+    other, other_url = stack.start_gateway("gateway-revocation")
+    try:
+        key = await new_key(stack, "tenant-revoked-everywhere")
+        async with client_for(stack, key, other_url) as client:
+            assert (await client.get("/models")).status_code == 200  # now cached there
+            async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as admin:
+                assert (await admin.delete(f"/admin/keys/{key.split('_')[1]}")).status_code == 200
+            revoked_at = time.monotonic()
+            while (await client.get("/models")).status_code != 401:
+                assert time.monotonic() - revoked_at < 1.0, "the other gateway still accepts the revoked key"
+                await asyncio.sleep(0.02)
+    finally:
+        stack.stop(other)
+
+
+# -- fairness across models and bands ----------------------------------------------------------
+
+
+async def test_a_model_with_free_slots_starts_however_many_tenants_are_busy_on_others(stack, small_gateway) -> None:
+    clients = [client_for(stack, await new_key(stack, f"tenant-embedder-{n}"), small_gateway) for n in range(40)]
+    try:
+        embeds = [
+            await submit(c, {"model": "text_embed", "inputs": {"text": f"busy tenant {n}"}})
+            for n, c in enumerate(clients)
+        ]
+        async with client_for(stack, await new_key(stack, "tenant-writer"), small_gateway) as writer:
+            record = await wait_result(writer, await submit(writer, ECHO), timeout=60)
+        await asyncio.gather(*(wait_result(c, rid) for c, rid in zip(clients, embeds, strict=True)))
+    finally:
+        for c in clients:
+            await c.aclose()
+    assert record["status"] == "succeeded"
+    assert record["timings"]["queue_ms"] < 1000
+
+
+async def test_a_light_tenant_beside_a_flood_and_four_batches_waits_as_if_alone(stack, small_gateway) -> None:
+    from tests.test_openai_batches import chat_line, run_batch
+
+    batcher = openai.OpenAI(
+        base_url=f"{small_gateway}/v1", api_key=await new_key(stack, "tenant-four-batches"), max_retries=0
+    )
+    async with (
+        client_for(stack, await new_key(stack, "tenant-flood-b"), small_gateway) as flood_client,
+        client_for(stack, await new_key(stack, "tenant-light-b"), small_gateway) as light,
+    ):
+        alone = await _steady(light, 12, 0.5)
+        lines = [chat_line(f"l{i}", "go on", model="llm_synthetic", max_tokens=20) for i in range(40)]
+        batches = [await asyncio.to_thread(run_batch, batcher, lines) for _ in range(4)]
+        flood = [await submit(flood_client, SHORT) for _ in range(40)]
+        beside = await _steady(light, 12, 0.5)  # every one accepted (submit checks the 202)
+        await asyncio.gather(*(wait_result(flood_client, rid, timeout=120) for rid in flood))
+    for batch in batches:  # (what is left of them: nothing else needs them)
+        if (await asyncio.to_thread(batcher.batches.retrieve, batch.id)).status in ("validating", "in_progress"):
+            await asyncio.to_thread(batcher.batches.cancel, batch.id)
+    median_alone, median_beside = statistics.median(alone), statistics.median(beside)
+    print(
+        f"light tenant queue wait: alone p50 {median_alone:.1f} ms; beside a flood and 4 batches {median_beside:.1f} ms"
+    )
+    assert median_beside <= 2 * median_alone + 5

@@ -1,10 +1,14 @@
-"""Signed webhooks, sent by the binder to a real local HTTP receiver."""
+"""Signed webhooks, sent by the binder to a real local HTTP receiver: signed with the
+tenant's own secrets (all of them, for rotation) or the deployment's; retried, guarded;
+replayed on request, a few times a minute per tenant."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
+import os
 import re
 import time
 from collections.abc import AsyncIterator
@@ -12,18 +16,22 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from ipaddress import ip_address
 
+import httpx
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 import uvicorn
 from pydantic import ValidationError
-from standardwebhooks import Webhook
+from pymongo import AsyncMongoClient
+from standardwebhooks import Webhook, WebhookVerificationError
 
 from binder.settings import BinderSettings
 from binder.webhooks import AddressGuard, Refused, sign
+from binder.webhooks.secrets import SecretsUnavailable, TenantSecrets
 from gateway.common.result_store import RESULTS_COLLECTION
+from gateway.protocol.records import TENANTS_COLLECTION
 from gateway.stack.process import LaunchError, free_port
-from tests.conftest import WEBHOOK_SECRET
+from tests.conftest import AUTH, WEBHOOK_SECRET
 from tests.gateway_calls import submit, wait_result
 from tests.records import publish, text_record
 
@@ -45,6 +53,7 @@ class Receiver:
     calls: list[Call] = field(default_factory=list)
     responses: dict[str, list[tuple[int, dict[str, str]]]] = field(default_factory=dict)
     delays: dict[str, float] = field(default_factory=dict)
+    holds: dict[str, asyncio.Event] = field(default_factory=dict)  # answer once set
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -59,6 +68,8 @@ class Receiver:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.calls.append(Call(path, headers, body, time.time()))
         await asyncio.sleep(self.delays.get(path, 0))
+        if path in self.holds:
+            await self.holds[path].wait()
         script = self.responses.get(path) or []
         status, extra = script.pop(0) if script else (200, {})
         await send(
@@ -190,6 +201,229 @@ async def test_replay_of_a_request_without_webhook_is_409(http) -> None:
     await asyncio.sleep(0.5)  # stored
     response = await http.post(f"/results/{request_id}/webhook/replay")
     assert response.status_code == 409
+
+
+# -- tenants' own secrets, and replays (each test a tenant of its own, made through the admin API)
+
+# The stack binder's defaults (binder/settings.py).
+REPLAYS_PER_MINUTE = 10
+TENANT_SECRETS_CACHE_S = 5.0
+
+
+def _new_secret() -> str:
+    return "whsec_" + base64.b64encode(os.urandom(32)).decode()
+
+
+async def _tenant(stack, webhook_secrets: list[str] | None = None) -> tuple[str, httpx.AsyncClient]:
+    """A new tenant (given its own webhook secrets when some are named) and a client with a user key of it."""
+    tenant = f"hooks-{time.time_ns()}"
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH, timeout=60) as admin:
+        response = await admin.post("/admin/keys", json={"tenant": tenant, "name": "webhook test"})
+        assert response.status_code == 201, response.text
+        key = response.json()["key"]
+        if webhook_secrets is not None:
+            await _set_secrets(admin, tenant, webhook_secrets)
+    return tenant, httpx.AsyncClient(base_url=stack.gateway_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+async def _set_secrets(admin: httpx.AsyncClient, tenant: str, secrets: list[str]) -> None:
+    response = await admin.put(f"/admin/tenants/{tenant}", json={"webhook_secrets": secrets})
+    assert response.status_code == 200, response.text
+    assert response.json()["webhook_secrets"] == len(secrets)  # how many, never the secrets
+
+
+def _verifies(secret: str, call: Call) -> bool:
+    try:
+        Webhook(secret).verify(call.body, call.headers)
+    except WebhookVerificationError:
+        return False
+    return True
+
+
+async def _calls(receiver: Receiver, path: str, count: int, timeout: float = 15) -> list[Call]:
+    deadline = time.monotonic() + timeout
+    while len(receiver.to(path)) < count:
+        assert time.monotonic() < deadline, f"{len(receiver.to(path))} calls to {path}, not {count}"
+        await asyncio.sleep(0.05)
+    return receiver.to(path)
+
+
+async def test_a_tenant_with_its_own_secret_gets_webhooks_that_verify_with_it_and_not_with_the_deployments(
+    stack, receiver
+) -> None:
+    secret = _new_secret()
+    path = _path("own-secret")
+    _, client = await _tenant(stack, [secret])
+    async with client:
+        request_id = await _with_webhook(client, receiver.url(path))
+        await _webhook_status(client, request_id, {"delivered"})
+    [call] = receiver.to(path)
+    assert Webhook(secret).verify(call.body, call.headers)["data"]["request_id"] == request_id
+    assert not _verifies(WEBHOOK_SECRET, call)
+
+
+async def test_a_tenant_without_secrets_of_its_own_gets_webhooks_signed_with_the_deployment_secret(
+    stack, receiver
+) -> None:
+    _, beside = await _tenant(stack, [_new_secret()])  # another tenant has secrets of its own
+    await beside.aclose()
+    path = _path("deployment-secret")
+    _, client = await _tenant(stack)
+    async with client:
+        request_id = await _with_webhook(client, receiver.url(path))
+        await _webhook_status(client, request_id, {"delivered"})
+    [call] = receiver.to(path)
+    assert _verifies(WEBHOOK_SECRET, call)
+
+
+async def test_during_a_rotation_either_of_a_tenants_two_secrets_verifies(stack, receiver) -> None:
+    new, old = _new_secret(), _new_secret()
+    path = _path("rotation")
+    _, client = await _tenant(stack, [new, old])
+    async with client:
+        request_id = await _with_webhook(client, receiver.url(path))
+        await _webhook_status(client, request_id, {"delivered"})
+    [call] = receiver.to(path)
+    assert len(call.headers["webhook-signature"].split()) == 2  # one v1 signature per secret
+    assert _verifies(new, call) and _verifies(old, call)
+    assert not _verifies(WEBHOOK_SECRET, call)
+
+
+async def test_a_retry_after_a_rotation_is_signed_with_the_new_secret(stack, receiver) -> None:
+    old, new = _new_secret(), _new_secret()
+    path = _path("rotated-retry")
+    # The first attempt is held until the rotation is saved, then answered 503 with a
+    # Retry-After longer than the binder keeps a tenant's secrets.
+    receiver.holds[path] = asyncio.Event()
+    receiver.responses[path] = [(503, {"retry-after": str(int(TENANT_SECRETS_CACHE_S) + 1)})]
+    tenant, client = await _tenant(stack, [old])
+    try:
+        request_id = await _with_webhook(client, receiver.url(path))
+        await _calls(receiver, path, 1)
+        async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as admin:
+            await _set_secrets(admin, tenant, [new])
+        receiver.holds[path].set()
+        await _webhook_status(client, request_id, {"delivered"}, timeout=30)
+    finally:
+        receiver.holds[path].set()
+        await client.aclose()
+    first, retry = receiver.to(path)
+    assert _verifies(old, first) and not _verifies(new, first)
+    assert _verifies(new, retry) and not _verifies(old, retry)
+
+
+async def test_a_secret_that_cannot_sign_is_refused_by_the_admin_api_without_quoting_it(stack) -> None:
+    tenant = f"hooks-bad-{time.time_ns()}"
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as admin:
+        for bad, problem in [
+            ("whsec_REPLACE_ME", "is not base64 after whsec_"),
+            ("whsec_" + base64.b64encode(b"short").decode(), "decodes to 5 bytes, not 24 to 64"),
+            (_new_secret().removeprefix("whsec_"), "does not start with whsec_"),
+        ]:
+            response = await admin.put(f"/admin/tenants/{tenant}", json={"webhook_secrets": [_new_secret(), bad]})
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["code"] == "validation_error"
+            assert f"secret 2 of 2 {problem}" in response.json()["error"]["message"]
+            assert bad not in response.text
+
+
+async def test_a_stored_tenant_secret_that_cannot_sign_is_a_refused_attempt_and_the_sender_goes_on(
+    stack, mongo, receiver
+) -> None:
+    bad = "whsec_NOT-A-SECRET"
+    tenant, client = await _tenant(stack)
+    try:
+        # Stored as before the admin API checked secrets (straight into MongoDB).
+        database = os.environ.get("MONGO_DB", "triton_gateway")
+        await mongo[database][TENANTS_COLLECTION].update_one(
+            {"_id": tenant}, {"$set": {"webhook_secrets": [bad]}}, upsert=True
+        )
+        refused = _path("bad-secret")
+        request_id = await _with_webhook(client, receiver.url(refused))
+        record = await _webhook_status(client, request_id, {"refused"})
+    finally:
+        await client.aclose()
+    [attempt] = record["webhook_attempts"]
+    assert attempt["error"] == (
+        f"refused: tenant {tenant}'s webhook secret 1 of 1 is not base64 after whsec_ "
+        "(expected whsec_ and the base64 of 24 to 64 random bytes); "
+        f"set valid ones with PUT /admin/tenants/{tenant}"
+    )
+    assert receiver.to(refused) == []
+    assert bad not in (stack.data_dir / "logs" / "binder.log").read_text()
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH, timeout=60) as http:
+        later = _path("after-bad-secret")
+        await _webhook_status(http, await _with_webhook(http, receiver.url(later)), {"delivered"})
+
+
+async def test_a_tenants_last_known_secrets_sign_through_a_mongodb_outage(mongo) -> None:
+    secret = _new_secret()
+    tenants = mongo[f"secrets_test_{time.time_ns()}"][TENANTS_COLLECTION]
+    await tenants.insert_one({"_id": "known", "webhook_secrets": [secret]})
+    secrets = TenantSecrets(tenants, [WEBHOOK_SECRET], cache_s=0)  # every call asks MongoDB
+    assert (await secrets.for_tenant("known")).secrets == (secret,)
+    assert (await secrets.for_tenant("plain")).secrets == (WEBHOOK_SECRET,)
+    unreachable: AsyncMongoClient = AsyncMongoClient(f"mongodb://127.0.0.1:{free_port()}", serverSelectionTimeoutMS=200)
+    try:
+        secrets.tenants = unreachable[tenants.database.name][TENANTS_COLLECTION]
+        assert (await secrets.for_tenant("known")).secrets == (secret,)
+        assert (await secrets.for_tenant("plain")).secrets == (WEBHOOK_SECRET,)
+        with pytest.raises(SecretsUnavailable):  # never read: not signed with the deployment's in its place
+            await secrets.for_tenant("never-read")
+    finally:
+        await unreachable.close()
+        await mongo.drop_database(tenants.database.name)
+
+
+async def test_a_second_replay_while_the_first_is_pending_is_409_and_queues_nothing(stack, receiver) -> None:
+    path = _path("pending")
+    _, client = await _tenant(stack)
+    try:
+        request_id = await _with_webhook(client, receiver.url(path))
+        await _webhook_status(client, request_id, {"delivered"})
+        receiver.holds[path] = asyncio.Event()
+        assert (await client.post(f"/results/{request_id}/webhook/replay")).status_code == 200
+        await _calls(receiver, path, 2)  # the replay, held: pending
+        again = await client.post(f"/results/{request_id}/webhook/replay")
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "replay_pending"
+        receiver.holds[path].set()
+        deadline = time.monotonic() + 15
+        while (after := await client.post(f"/results/{request_id}/webhook/replay")).status_code == 409:
+            assert time.monotonic() < deadline, "the replay stayed pending"
+            await asyncio.sleep(0.1)
+        assert after.status_code == 200, after.text
+        await _calls(receiver, path, 3)
+    finally:
+        receiver.holds.setdefault(path, asyncio.Event()).set()
+        await client.aclose()
+    assert len({call.headers["webhook-id"] for call in receiver.to(path)}) == 1
+
+
+async def test_a_tenants_replays_beyond_its_limit_a_minute_are_429_with_retry_after(stack, http, receiver) -> None:
+    path = _path("replay-limit")
+    _, client = await _tenant(stack)
+    try:
+        request_ids = await asyncio.gather(
+            *(_with_webhook(client, receiver.url(path)) for _ in range(REPLAYS_PER_MINUTE + 1))
+        )
+        for request_id in request_ids:
+            await _webhook_status(client, request_id, {"delivered"})
+        for request_id in request_ids[:REPLAYS_PER_MINUTE]:
+            response = await client.post(f"/results/{request_id}/webhook/replay")
+            assert response.status_code == 200, response.text
+        over = await client.post(f"/results/{request_ids[-1]}/webhook/replay")
+    finally:
+        await client.aclose()
+    assert over.status_code == 429, over.text
+    assert over.json()["error"]["code"] == "replay_rate_limited"
+    assert 1 <= int(over.headers["retry-after"]) <= 60
+    await _calls(receiver, path, 2 * REPLAYS_PER_MINUTE + 1)  # each first delivery, and the replays accepted
+    # Another tenant's replays are its own.
+    mine = _path("replay-other-tenant")
+    request_id = await _with_webhook(http, receiver.url(mine))
+    await _webhook_status(http, request_id, {"delivered"})
+    assert (await http.post(f"/results/{request_id}/webhook/replay")).status_code == 200
 
 
 def test_each_secret_during_a_rotation_verifies_the_signature() -> None:

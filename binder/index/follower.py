@@ -150,6 +150,9 @@ class IndexFollower:
                     caught_up.add(shard.index)
                     if len(caught_up) == len(self.shards):
                         self.caught_up.set()
+                    # Quiet (a read times out every second): what came last is snapshotted
+                    # once the interval is up, not only when more comes.
+                    self._maybe_snapshot()
                     continue
                 entries = reply[0][1]
                 items = []
@@ -167,11 +170,10 @@ class IndexFollower:
                 await reader.aclose()
 
     async def _housekeeping(self) -> None:
-        """Sweep expired vectors now and then; snapshot what a quiet stream left unsnapshotted."""
+        """Sweep expired vectors now and then."""
         while True:
             await asyncio.sleep(SWEEP_EVERY_S)
             await asyncio.to_thread(self.index.forget_expired)
-            self._maybe_snapshot()
 
     def _maybe_snapshot(self) -> None:
         """Start a snapshot in the background when one is due and none is being written."""

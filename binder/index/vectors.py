@@ -159,6 +159,9 @@ class VectorIndex:
         self.dims: dict[str, int] = {}
         # The last applied entry of each results stream (one per Redis shard).
         self.positions: dict[str, str] = {}
+        # Live vectors per space in the last snapshot this process wrote or loaded (None:
+        # none yet): what a restart would start from.
+        self.snapshotted: dict[str, int] | None = None
         self.lock = threading.Lock()
         self.snapshot_lock = threading.Lock()  # one snapshot writes at a time
         self.use_gpu = faiss.get_num_gpus() > 0 if use_gpu is None else use_gpu
@@ -261,7 +264,12 @@ class VectorIndex:
     def snapshot(self) -> Path:
         with self.snapshot_lock:
             positions, captured = self._capture()
-            return self._write(positions, captured)
+            written = self._write(positions, captured)
+            counts: dict[str, int] = {}
+            for shard in captured:
+                counts[shard.space] = counts.get(shard.space, 0) + len(shard.request_of) - len(shard.expired)
+            self.snapshotted = counts
+            return written
 
     def _write(self, positions: dict[str, str], captured: list[Captured]) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -340,6 +348,7 @@ class VectorIndex:
         with self.lock:
             self.shards, self.dims = shards, dims
             self.positions = dict(meta["positions"])
+        self.snapshotted = {space: self.ntotal(space) for space in self.spaces}
         return True
 
 

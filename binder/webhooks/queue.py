@@ -1,8 +1,13 @@
-"""The webhook delivery queue in Redis. A delivery is a hash `webhook:<id>` plus a place
-in the `webhooks:due` sorted set (scored by its next attempt). Senders claim due
-deliveries with a lease, so a sender that dies loses nothing: the lease runs out and
-another sender takes them. An attempt must end inside its lease (the sender gives each
-one a deadline), or the lease runs out mid-attempt and the delivery is sent twice."""
+"""The webhook delivery queue in Redis, all in the `{wh}` slot. A delivery is a hash
+`{wh}:delivery:<id>` plus a place in the `{wh}:due` sorted set (scored by its next
+attempt) while it has attempts to come. Senders claim due deliveries with a lease, so a
+sender that dies loses nothing: the lease runs out and another sender takes them. An
+attempt must end inside its lease (the sender gives each one a deadline), or the lease
+runs out mid-attempt and the delivery is sent twice.
+
+Replays (asked for through the API) are limited per tenant, in a fixed window
+(`{wh}:replays:<tenant>`), and a request has at most one replay pending:
+`{wh}:replaying:<request id>` names its last replay, pending while it is still due."""
 
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from gateway.protocol import TERMINAL_EVENT, ResultRecord
-from gateway.protocol.redis_keys import WEBHOOK_DUE, webhook_key
+from gateway.protocol.records import DEFAULT_TENANT
+from gateway.protocol.redis_keys import WEBHOOK_DUE, webhook_key, webhook_replays_key
 
 # Time kept at the end of a lease for recording the attempt's outcome.
 LEASE_MARGIN_S = 1.0
@@ -24,9 +30,29 @@ LEASE_MARGIN_S = 1.0
 ENQUEUE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'url', ARGV[2], 'event', ARGV[3], 'payload', ARGV[4],
-  'webhook_id', ARGV[5], 'attempts', 0, 'log', '[]')
+  'webhook_id', ARGV[5], 'tenant', ARGV[8], 'attempts', 0, 'log', '[]')
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[7])
 return 1
+"""
+
+# KEYS: the new delivery's hash, the due set, the request's replay marker, the tenant's
+# replay counter. ARGV: as ENQUEUE, then the limit and its window (seconds).
+# Returns {1, delivery id} (queued), {0, pending delivery id}, or {-1, seconds to wait}.
+REPLAY = """
+local pending = redis.call('GET', KEYS[3])
+if pending and redis.call('ZSCORE', KEYS[2], pending) then return {0, pending} end
+local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+if used >= tonumber(ARGV[9]) then
+  local ttl = redis.call('TTL', KEYS[4])
+  if ttl < 0 then redis.call('EXPIRE', KEYS[4], ARGV[10]); ttl = tonumber(ARGV[10]) end
+  return {-1, ttl}
+end
+if redis.call('INCR', KEYS[4]) == 1 then redis.call('EXPIRE', KEYS[4], ARGV[10]) end
+redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'url', ARGV[2], 'event', ARGV[3], 'payload', ARGV[4],
+  'webhook_id', ARGV[5], 'tenant', ARGV[8], 'attempts', 0, 'log', '[]')
+redis.call('ZADD', KEYS[2], ARGV[6], ARGV[7])
+redis.call('SET', KEYS[3], ARGV[7], 'EX', 7 * 86400)
+return {1, ARGV[7]}
 """
 
 CLAIM = """
@@ -34,6 +60,20 @@ local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, AR
 for i, id in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[3], id) end
 return due
 """
+
+
+# Replays are counted per tenant in windows of this length (a minute).
+REPLAY_WINDOW_S = 60
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a replay request did: queued a delivery, found one pending, or was over the
+    tenant's limit (retry after that many seconds). All None: no webhook to replay."""
+
+    queued: str | None = None
+    pending: str | None = None
+    retry_after_s: int | None = None
 
 
 @dataclass
@@ -45,6 +85,7 @@ class Delivery:
     payload: str
     webhook_id: str
     attempts: int
+    tenant: str = DEFAULT_TENANT  # whose secrets sign it
     log: list[dict[str, Any]] = field(default_factory=list)
     leased_until: float = 0.0  # epoch seconds; 0: not claimed
 
@@ -54,41 +95,40 @@ class WebhookQueue:
         self.redis = redis
         self.lease_s = lease_s
         self._enqueue = redis.register_script(ENQUEUE)
+        self._replay = redis.register_script(REPLAY)
         self._claim = redis.register_script(CLAIM)
 
-    async def enqueue(self, records: list[ResultRecord], *, replay: bool = False) -> list[str]:
+    async def enqueue(self, records: list[ResultRecord]) -> list[str]:
         """Deliveries for the records' terminal events, where the request asked for them.
         Enqueuing the same record twice is a no-op (the delivery id is fixed)."""
         created = []
         for record in records:
-            event = TERMINAL_EVENT.get(record.status)
-            if not record.webhook or event is None or event.value not in record.webhook.events:
-                continue
-            base = f"{record.request_id}:{event.value}"
-            delivery_id = f"{base}:replay:{time.time_ns()}" if replay else base
-            payload = json.dumps(
-                {
-                    "type": f"request.{event.value}",
-                    "timestamp": datetime.now(UTC).isoformat(),
-                    "data": record.model_dump(mode="json", exclude={"webhook_attempts", "webhook_status"}),
-                }
-            )
-            # The same webhook-id on every attempt and replay: receivers de-duplicate on it.
-            webhook_id = "msg_" + hashlib.sha256(base.encode()).hexdigest()[:26]
-            if await self._enqueue(
-                keys=[webhook_key(delivery_id), WEBHOOK_DUE],
-                args=[
-                    record.request_id,
-                    record.webhook.url,
-                    event.value,
-                    payload,
-                    webhook_id,
-                    time.time(),
-                    delivery_id,
-                ],
+            new = _NewDelivery.of(record)
+            if new is not None and await self._enqueue(
+                keys=[webhook_key(new.base), WEBHOOK_DUE], args=new.args(new.base)
             ):
-                created.append(delivery_id)
+                created.append(new.base)
         return created
+
+    async def replay(self, record: ResultRecord, *, per_minute: int) -> Replay:
+        """Queue the record's webhook once more (a new delivery, the same webhook-id), unless
+        a replay of it is still pending or its tenant has used its replays of the minute."""
+        new = _NewDelivery.of(record)
+        if new is None:
+            return Replay()
+        delivery_id = f"{new.base}:replay:{time.time_ns()}"
+        keys = [
+            webhook_key(delivery_id),
+            WEBHOOK_DUE,
+            replay_marker_key(record.request_id),
+            webhook_replays_key(record.tenant),
+        ]
+        outcome, value = await self._replay(keys=keys, args=[*new.args(delivery_id), per_minute, REPLAY_WINDOW_S])
+        if int(outcome) == 1:
+            return Replay(queued=str(value))
+        if int(outcome) == 0:
+            return Replay(pending=str(value))
+        return Replay(retry_after_s=max(1, int(value)))
 
     async def claim(self, limit: int) -> list[Delivery]:
         now = time.time()
@@ -109,6 +149,7 @@ class WebhookQueue:
                     payload=h["payload"],
                     webhook_id=h["webhook_id"],
                     attempts=int(h["attempts"]),
+                    tenant=h.get("tenant") or _tenant_of_payload(h["payload"]),
                     log=json.loads(h.get("log") or "[]"),
                     leased_until=leased_until,
                 )
@@ -126,3 +167,61 @@ class WebhookQueue:
             else:
                 pipe.zadd(WEBHOOK_DUE, {delivery.delivery_id: next_at})
             await pipe.execute()
+
+
+def replay_marker_key(request_id: str) -> str:
+    """The delivery id of the request's last replay (the binder's own name, in `{wh}`)."""
+    return f"{{wh}}:replaying:{request_id}"
+
+
+@dataclass(frozen=True)
+class _NewDelivery:
+    """What a delivery of a record's terminal event is made of."""
+
+    base: str  # the delivery id of the first delivery; a replay's adds `:replay:<ns>`
+    request_id: str
+    url: str
+    event: str
+    payload: str
+    webhook_id: str
+    tenant: str
+
+    @classmethod
+    def of(cls, record: ResultRecord) -> _NewDelivery | None:
+        """None when the record asked for no webhook of how it ended."""
+        event = TERMINAL_EVENT.get(record.status)
+        if not record.webhook or event is None or event.value not in record.webhook.events:
+            return None
+        base = f"{record.request_id}:{event.value}"
+        payload = json.dumps(
+            {
+                "type": f"request.{event.value}",
+                "timestamp": datetime.now(UTC).isoformat(),
+                "data": record.model_dump(mode="json", exclude={"webhook_attempts", "webhook_status"}),
+            }
+        )
+        # The same webhook-id on every attempt and replay: receivers de-duplicate on it.
+        webhook_id = "msg_" + hashlib.sha256(base.encode()).hexdigest()[:26]
+        return cls(base, record.request_id, record.webhook.url, event.value, payload, webhook_id, record.tenant)
+
+    def args(self, delivery_id: str) -> list[Any]:
+        """ENQUEUE's ARGV (REPLAY's first eight), due now."""
+        return [
+            self.request_id,
+            self.url,
+            self.event,
+            self.payload,
+            self.webhook_id,
+            time.time(),
+            delivery_id,
+            self.tenant,
+        ]
+
+
+def _tenant_of_payload(payload: str) -> str:
+    """The tenant of a delivery queued before deliveries named theirs: the record's."""
+    try:
+        tenant = (json.loads(payload).get("data") or {}).get("tenant")
+    except (ValueError, AttributeError):
+        return DEFAULT_TENANT
+    return tenant if isinstance(tenant, str) and tenant else DEFAULT_TENANT

@@ -1,10 +1,12 @@
 """Sending webhooks, from the binder (never from the request path).
 
 Each POST is signed per the Standard Webhooks spec (webhook-id, webhook-timestamp,
-webhook-signature; v1 HMAC-SHA256 with every configured `whsec_` secret, for rotation),
+webhook-signature; one v1 HMAC-SHA256 per current `whsec_` secret of the delivery's
+tenant, else of the deployment, so rotation works; secrets.py),
 keeps the same webhook-id on every attempt, does not follow redirects, and goes only to
 allowed addresses and ports (guard.py). Failures are retried on a Svix-like schedule with
-jitter; Retry-After is honoured; 410 Gone and a refused destination end the delivery.
+jitter; Retry-After is honoured; 410 Gone, a refused destination and a secret that cannot
+sign end the delivery.
 
 Every attempt ends in a recorded outcome, whatever goes wrong in it (a host name that
 cannot be encoded, a resolver error, a bug): an attempt that raised without being
@@ -29,12 +31,13 @@ from standardwebhooks import Webhook
 
 from binder.webhooks.guard import AddressGuard, Refused, Unresolvable, pinned
 from binder.webhooks.queue import LEASE_MARGIN_S, Delivery, WebhookQueue
+from binder.webhooks.secrets import SecretsUnavailable, TenantSecrets
 from gateway.common.logs import bind_request_ids
 
 log = logging.getLogger(__name__)
 
 
-def sign(secrets: list[str], webhook_id: str, timestamp: datetime, payload: str) -> str:
+def sign(secrets: list[str] | tuple[str, ...], webhook_id: str, timestamp: datetime, payload: str) -> str:
     """One v1 signature per secret, space-separated (receivers accept any one)."""
     return " ".join(Webhook(secret).sign(webhook_id, timestamp, payload) for secret in secrets)
 
@@ -69,7 +72,7 @@ class WebhookSender:
         queue: WebhookQueue,
         on_status: Any,
         *,
-        secrets: list[str],
+        secrets: TenantSecrets,
         retry_delays: list[float],
         jitter: float,
         timeout_s: float,
@@ -77,7 +80,8 @@ class WebhookSender:
         allowlist: list[str],
     ) -> None:
         """on_status(request_id, status, attempts_log) records the outcome (MongoDB).
-        timeout_s bounds a whole attempt (and each network operation in it)."""
+        secrets: which secrets sign a tenant's deliveries. timeout_s bounds a whole
+        attempt (and each network operation in it)."""
         self.queue = queue
         self.on_status = on_status
         self.secrets = secrets
@@ -97,8 +101,8 @@ class WebhookSender:
         await self.http.aclose()
 
     async def run(self) -> None:
-        if not self.secrets:
-            log.warning("no WEBHOOK_SECRETS: webhooks cannot be signed and will not be sent")
+        if not self.secrets.deployment:
+            log.warning("no WEBHOOK_SECRETS: webhooks of tenants without secrets of their own will not be sent")
         while True:
             free = self.concurrency - len(self.tasks)
             deliveries = await self.queue.claim(free) if free > 0 else []
@@ -153,7 +157,15 @@ class WebhookSender:
         self, delivery: Delivery, attempt: dict[str, Any], trace_id: str | None = None
     ) -> tuple[str, float | None]:
         """('delivered' | 'gone' | 'refused' | 'error', Retry-After seconds)."""
-        if not self.secrets:
+        try:
+            signing = await self.secrets.for_tenant(delivery.tenant)
+        except SecretsUnavailable as exc:
+            attempt["error"] = str(exc)[:500]
+            return "error", None
+        if signing.problem:
+            attempt["error"] = f"refused: {signing.problem}"
+            return "refused", None
+        if not signing.secrets:
             attempt["error"] = "no webhook secret configured"
             return "refused", None
         try:
@@ -171,7 +183,7 @@ class WebhookSender:
                 "content-type": "application/json",
                 "webhook-id": delivery.webhook_id,
                 "webhook-timestamp": str(int(now.timestamp())),
-                "webhook-signature": sign(self.secrets, delivery.webhook_id, now, delivery.payload),
+                "webhook-signature": sign(signing.secrets, delivery.webhook_id, now, delivery.payload),
                 "user-agent": "triton-gateway-webhooks/1",
             }
         )

@@ -19,6 +19,7 @@ Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 class InferRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,  # no coercion: "stream": "yes" or "timeout_s": "8" is refused
         json_schema_extra={
             "examples": [
                 {
@@ -71,6 +72,8 @@ class LiveStatus(BaseModel):
     started_at: datetime | None = None
     attempts: int = 0
     replica: str | None = None
+    # The labels given at submission (as the record will carry them).
+    metadata: dict[str, str] = Field(default_factory=dict)
     urls: ResultUrls
 
 
@@ -83,6 +86,7 @@ class CancelResponse(BaseModel):
 class SearchRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,
         json_schema_extra={"examples": [{"text": "a kitten on a rug", "k": 5}, {"image": "<base64>", "space": "clip"}]},
     )
 

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.protocol.states import State
 
 DEFAULT_TENANT = "default"
+# MongoDB's collection of tenants' settings (weight, limits, webhook secrets): the gateway
+# writes it, the binder reads the webhook secrets from it.
+TENANTS_COLLECTION = "tenants"
 
 
 class ErrorInfo(BaseModel):
@@ -65,7 +68,7 @@ WEBHOOK_EVENTS: list[WebhookEvent] = ["completed", "failed", "canceled", "expire
 class WebhookSpec(BaseModel):
     """Where to POST the request's terminal event (signed per Standard Webhooks)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     url: str = Field(max_length=2048, examples=["https://example.com/hooks/triton"])
     events: list[WebhookEvent] = Field(

@@ -53,7 +53,7 @@ from gateway.server.services import Services
 from gateway.server.settings import GatewaySettings
 from gateway.server.submission import Submitter
 from gateway.server.tenants.config import TenantLimits, TenantStore
-from gateway.server.tenants.keys import KeyStore
+from gateway.server.tenants.keys import KeyStore, announcer, follow_key_changes
 from gateway.server.tenants.quotas import Quotas
 from gateway.server.tenants.usage import UsageLedger
 from gateway.server.ui import router as ui_router
@@ -222,7 +222,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             search=SearchService(registry, pool, reader, binders),
             binders=binders,
             metrics=metrics,
-            keys=KeyStore(mongo, settings.mongo_db, cache_s=settings.key_cache_s),
+            keys=KeyStore(mongo, settings.mongo_db, cache_s=settings.key_cache_s, announce=announcer(clients)),
             tenants=tenants,
             quotas=quotas,
             usage=usage,
@@ -243,14 +243,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         sweep_task = asyncio.create_task(supervise(sweep_health, sweeper.run), name="sweeper")
         batch_health = LoopHealth("batches")
         batch_task = asyncio.create_task(supervise(batch_health, svc.batch_runner.run), name="batches")
+        keys_health = LoopHealth("key changes")
+        keys_task = asyncio.create_task(
+            supervise(keys_health, lambda: follow_key_changes(svc.keys, clients)), name="key changes"
+        )
         log.info("gateway ready: %d replicas, models %s", len(pool.replicas), registry.names)
         try:
             yield
         finally:
             log.info("gateway stopping: draining running requests (up to %.0fs)", settings.drain_s)
-            sweep_task.cancel()
-            batch_task.cancel()
-            await asyncio.gather(sweep_task, batch_task, return_exceptions=True)
+            for task in (sweep_task, batch_task, keys_task):
+                task.cancel()
+            await asyncio.gather(sweep_task, batch_task, keys_task, return_exceptions=True)
             await svc.batch_runner.close()
             await dispatcher.stop()
             await hub.close()

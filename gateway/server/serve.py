@@ -1,13 +1,16 @@
 """Serving the app with uvicorn: one process, or `workers` processes sharing the port.
 
-uvicorn has no limit on how long a client may take to send its request headers, so a
-connection that trickles (or never finishes) its headers would be held for good; the
-protocol below closes it after header_timeout_s."""
+uvicorn (httptools) has no limit on how long a client may take to send its request
+headers, nor on how large they may be: a connection that trickles (or never finishes)
+its headers would be held for good, and one that sends megabytes of them would be read
+into memory. The protocol below closes the first after header_timeout_s and answers the
+second 431 once its headers pass max_header_bytes."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -16,12 +19,51 @@ from gateway.server.settings import GatewaySettings
 
 
 @functools.cache
-def _header_timeout_s() -> float:
-    return GatewaySettings().header_timeout_s
+def _settings() -> GatewaySettings:
+    return GatewaySettings()
 
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
+def _too_large(limit: int) -> bytes:
+    body = json.dumps(
+        {"error": {"code": "headers_too_large", "message": f"request headers are over {limit} bytes"}}
+    ).encode()
+    head = (
+        "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
     _header_timer: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+
+    def on_message_begin(self) -> None:
+        self._header_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.transport.is_closing():
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self.transport.is_closing():
+            super().on_message_complete()
+
+    def _count(self, size: int) -> None:
+        self._header_bytes += size
+        limit = _settings().max_header_bytes
+        if self._header_bytes > limit and not self.transport.is_closing():
+            self.transport.write(_too_large(limit))
+            self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -34,6 +76,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        if self.transport.is_closing():  # refused (431) or timed out: run nothing
+            return
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -42,7 +86,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         if self._header_timer is None:
-            self._header_timer = self.loop.call_later(_header_timeout_s(), self._headers_too_slow)
+            self._header_timer = self.loop.call_later(_settings().header_timeout_s, self._headers_too_slow)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
@@ -62,7 +106,7 @@ def serve(settings: GatewaySettings, workers: int = 1) -> None:
         host=settings.host,
         port=settings.port,
         workers=workers if workers > 1 else None,
-        http="gateway.server.serve:HeaderTimeoutProtocol",
+        http="gateway.server.serve:LimitedHttpProtocol",
         timeout_keep_alive=int(settings.keep_alive_s),
         timeout_graceful_shutdown=int(settings.drain_s + 5),
         log_level=settings.log_level.lower(),

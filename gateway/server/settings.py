@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gateway.common.settings import CommaList, ServiceSettings
 
@@ -24,6 +24,8 @@ class GatewaySettings(ServiceSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     # A client must send its request headers, and then its body, within these.
     header_timeout_s: float = Field(default=10.0, gt=0)
+    # The request line and headers together (431 beyond).
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
     body_timeout_s: float = Field(default=30.0, gt=0)
     keep_alive_s: float = Field(default=5.0, gt=0)
     retry_after_s: int = Field(default=1, ge=1)
@@ -58,8 +60,10 @@ class GatewaySettings(ServiceSettings):
     tenant_tokens_per_minute: int = Field(default=0, ge=0)
     tenant_max_concurrent: int = Field(default=0, ge=0)
     tenant_max_queued: int = Field(default=0, ge=0)
-    # Label per-tenant metrics with the tenant (switch off when tenants are many).
-    metrics_tenant_label: bool = True
+    # Label per-tenant metrics with the tenant's name. Off by default: names of tenants are
+    # not for a public /metrics, and many tenants make many series. On only with
+    # PUBLIC_METRICS=false (then /metrics needs a key).
+    metrics_tenant_label: bool = False
 
     # -- Admission ---------------------------------------------------------------------
     # Interactive requests waiting (not started), and payload bytes of all waiting
@@ -126,3 +130,9 @@ class GatewaySettings(ServiceSettings):
     token_window_max: int = Field(default=16, ge=1)
     # How long a draining gateway lets running requests finish before handing them over.
     drain_s: float = Field(default=10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _tenant_names_are_not_public(self) -> Self:
+        if self.metrics_tenant_label and self.public_metrics:
+            raise ValueError("METRICS_TENANT_LABEL=true needs PUBLIC_METRICS=false: tenant names are not public")
+        return self

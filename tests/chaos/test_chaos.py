@@ -28,11 +28,11 @@ import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
 
 from gateway.protocol.redis_keys import Shard, shard_of
-
-RESULTS_STREAM = Shard(0).results
 from gateway.server.tenants.cli import ensure_local_key
 from gateway.stack.process import ManagedProcess, free_port, stop_processes
 from gateway.stack.services import binder_spec, gateway_spec, mongo_spec, redis_spec
+
+RESULTS_STREAM = Shard(0).results
 
 pytestmark = pytest.mark.timeout(600)
 

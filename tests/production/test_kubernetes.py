@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from gateway.protocol.redis_keys import BINDER_GROUP, Shard
+from gateway.server.metrics import GatewayMetrics
 
 RESULTS_STREAM = Shard(0).results
-from gateway.server.metrics import GatewayMetrics
 
 # The checkout's (not shipped in the package: applied from a checkout with kubectl).
 KUBERNETES = Path(__file__).resolve().parents[2] / "kubernetes"

@@ -7,8 +7,9 @@ import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.protocol.webhook_secrets import secrets_problem
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, admin, caller
 from gateway.server.routing.load import LoadTracker, ReplicaLoad
@@ -31,9 +32,17 @@ class TenantSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     weight: float = Field(default=1.0, gt=0, le=1000)
     limits: TenantLimits = Field(default_factory=TenantLimits)
-    webhook_secrets: list[Annotated[str, Field(pattern=r"^whsec_[A-Za-z0-9+/=]{16,}$")]] = Field(
-        default_factory=list, max_length=4
-    )
+    # Standard Webhooks secrets that sign this tenant's webhooks, all of them (newest first;
+    # two during a rotation). Empty: the deployment's WEBHOOK_SECRETS sign them.
+    webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
+
+    @field_validator("webhook_secrets")
+    @classmethod
+    def _secrets_can_sign(cls, secrets: list[str]) -> list[str]:
+        problem = secrets_problem(secrets)  # (never quotes a secret: the error is answered)
+        if problem:
+            raise ValueError(problem)
+        return secrets
 
 
 @router.post("/admin/keys", status_code=201, summary="Create an API key (shown once)")

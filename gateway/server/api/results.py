@@ -86,9 +86,17 @@ async def cancel(request_id: str, request: Request, who: Annotated[Caller, Depen
 @router.post(
     "/results/{request_id}/webhook/replay",
     summary="Send a request's webhook again",
-    responses={404: {"description": "No stored result"}, 409: {"description": "The request has no webhook"}},
+    responses={
+        404: {"description": "No stored result"},
+        409: {
+            "description": "The request has no webhook (`no_webhook`), or a replay of it is pending (`replay_pending`)"
+        },
+        429: {"description": "The tenant's replays of the minute are used (`replay_rate_limited`, Retry-After)"},
+    },
 )
 async def replay_webhook(request_id: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
-    """Queue the stored result's webhook once more (same webhook-id, so receivers can de-duplicate)."""
+    """Queue the stored result's webhook once more (same webhook-id, so receivers can de-duplicate),
+    signed with the tenant's current secrets. One replay of a request is pending at a time, and a
+    tenant has a few a minute (the binder's WEBHOOK_REPLAYS_PER_MINUTE, 10 by default)."""
     known_id(request_id)
     return await services(request).binders.replay_webhook(request_id, who.scope)

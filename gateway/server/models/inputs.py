@@ -18,7 +18,10 @@ _IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Model inputs: unknown fields refused, and no coercion (a "8" is not a number, a
+    true is not 1)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class LlmInputs(Strict):

@@ -344,7 +344,8 @@ class BatchRunner:
     async def _counts(self, batch_id: str) -> dict[str, int]:
         lines = self.store.lines
         return {
-            "total": await lines.count_documents({"batch": batch_id, "outcome": {"$ne": SKIPPED}}),
+            # Every line of the batch, whether or not it ran (a cancelled batch keeps its total).
+            "total": await lines.count_documents({"batch": batch_id}),
             "completed": await lines.count_documents({"batch": batch_id, "outcome": SUCCEEDED}),
             "failed": await lines.count_documents({"batch": batch_id, "outcome": FAILED}),
         }

@@ -109,7 +109,17 @@ async def wait_record(svc: Services, who: Caller, request_id: str, timeout_s: fl
         if isinstance(outcome, ResultRecord) and outcome.status.terminal:
             return outcome
         if time.monotonic() > deadline:
-            raise ApiError(504, "timeout", f"{request_id} did not end in time")
+            raise after_acceptance(504, "timeout", f"{request_id} did not end in time")
+
+
+# The request behind the call was accepted and ended: calling again would make another
+# one. openai-python retries 409, 5xx and timeouts by default unless told not to.
+NO_RETRY = {"x-should-retry": "false"}
+
+
+def after_acceptance(status: int, code: str, message: str) -> ApiError:
+    """An error about a request that was accepted (durable): the client must not retry."""
+    return ApiError(status, code, message, headers=NO_RETRY)
 
 
 def raise_for_record(record: ResultRecord) -> None:
@@ -119,12 +129,12 @@ def raise_for_record(record: ResultRecord) -> None:
     error = record.error
     message = error.message if error else record.status.value
     if record.status == State.CANCELED:
-        raise ApiError(409, "canceled", f"{record.request_id} was canceled")
+        raise after_acceptance(409, "canceled", f"{record.request_id} was canceled")
     if record.status == State.EXPIRED:
-        raise ApiError(504, "timeout", f"{record.request_id} expired: {message}")
+        raise after_acceptance(504, "timeout", f"{record.request_id} expired: {message}")
     if error and error.code in ("invalid_input", "prompt_too_long"):
-        raise ApiError(400, error.code, message)
-    raise ApiError(502, error.code if error else "inference_failed", message)
+        raise after_acceptance(400, error.code, message)
+    raise after_acceptance(502, error.code if error else "inference_failed", message)
 
 
 async def follow(svc: Services, request_id: str) -> AsyncIterator[StreamEvent]:

@@ -145,7 +145,15 @@ async def upload_file(
         raise ApiError(400, "empty_file", "the file is empty", details={"param": "file"})
     if size > svc.settings.max_file_bytes:
         raise ApiError(413, "file_too_large", f"a file may be at most {svc.settings.max_file_bytes} bytes")
-    return await svc.files.put(who.tenant, file.filename or "upload.jsonl", purpose, file.file)
+    return await svc.files.put(who.tenant, label(file.filename), purpose, file.file)
+
+
+def label(filename: str | None) -> str:
+    """A client's file name as an opaque label: its last path part, without control
+    characters, at most 255 characters. Files are never stored under it."""
+    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(c for c in name if c.isprintable()).strip()
+    return name[:255] if name not in ("", ".", "..") else "upload.jsonl"
 
 
 @router.get("/files", summary="The tenant's files (OpenAI)")

@@ -110,11 +110,11 @@ def response_object(outcome: ResultRecord | LiveStatus) -> dict[str, Any]:
         "text": {"format": {"type": "text"}},
         "background": False,
     }
+    labels = dict(outcome.metadata)
+    body["background"] = labels.pop("background", "false") == "true"
+    labels.pop("api", None)
+    body["metadata"] = labels
     if isinstance(outcome, ResultRecord):
-        labels = dict(outcome.metadata)
-        body["background"] = labels.pop("background", "false") == "true"
-        labels.pop("api", None)
-        body["metadata"] = labels
         text = (outcome.outputs or {}).get("text_output")
         if outcome.status == State.SUCCEEDED:
             if common.finish_reason(outcome) == "length":

@@ -17,7 +17,10 @@ Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 
 
 class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are ignored (the SDKs send fields a server may not know), but the
+    known ones are typed strictly: "stream": "yes" or "max_tokens": true is refused."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(Lenient):

@@ -75,9 +75,12 @@ end
 # Returns {'accepted'}, {'started'}, {'existing', value per request} or
 # {'full', reason, count}. The K requests are admitted together or not at all.
 #
-# Starting at once (K = 1, the caller's process has a free slot for the model): only when
-# nothing of this model waits in the shard (so nobody is overtaken) and the tenant is
-# below its concurrency limit: one round trip from accepted to running.
+# Starting at once (K = 1, the caller's process has a free slot for the model): one round
+# trip from accepted to running. Only where TAKE would pick it next anyway: nothing
+# reclaimed waits, no higher band has a ready tenant, the tenant has nothing waiting in
+# its own queue (so it would join the band at the current virtual time, ahead of every
+# waiting tenant), it is below its concurrency limit, and (light only) it runs nothing of
+# this model.
 SUBMIT = (
     _HELPERS
     + """
@@ -109,10 +112,17 @@ if total + k > cap and mine + k > num(ARGV[11]) then
   return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}
 end
 redis.call('HSET', P .. 'tenants', tenant, ARGV[12] .. ' ' .. ARGV[13])
-local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', P .. 'running', 'm:' .. model .. ':' .. tenant)) == 0
-local start_now = k == 1 and consumer ~= '' and waiting == 0 and light_ok and not at_limit(tenant)
-  and redis.call('LLEN', P .. 'reclaimed:' .. model) == 0
 local q = P .. 'q:' .. model .. ':' .. band .. ':' .. tenant
+local function first_in_line()
+  if redis.call('LLEN', q) > 0 or redis.call('LLEN', P .. 'reclaimed:' .. model) > 0 then return false end
+  for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
+    if higher == band then return true end
+    if redis.call('ZCARD', P .. 'ready:' .. model .. ':' .. higher) > 0 then return false end
+  end
+  return true
+end
+local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', P .. 'running', 'm:' .. model .. ':' .. tenant)) == 0
+local start_now = k == 1 and consumer ~= '' and light_ok and not at_limit(tenant) and first_in_line()
 for i = 1, k do
   local id, payload = field(i, 1), field(i, 2)
   local req = P .. 'req:' .. id

@@ -27,6 +27,7 @@ def live_status(job: Job) -> LiveStatus:
         created_at=utc(job.created_at) or datetime.now(UTC),
         started_at=utc(job.started_at),
         attempts=job.attempts,
+        metadata=job.payload.get("metadata") or {},
         urls=result_urls(job.request_id),
     )
 

@@ -12,7 +12,8 @@ from gateway.server.api.errors import ApiError
 
 log = logging.getLogger(__name__)
 
-_CODES = {404: "not_found", 409: "no_webhook", 422: "invalid_query"}
+# A binder's refusals, passed on to the caller (the binder may name a finer code).
+_CODES = {404: "not_found", 409: "no_webhook", 422: "invalid_query", 429: "replay_rate_limited"}
 
 
 class BinderClient:
@@ -30,11 +31,7 @@ class BinderClient:
                 log.warning("binder %s did not answer: %s", url, exc)
                 continue
             if response.status_code in _CODES:
-                try:
-                    detail = response.json().get("detail", response.text)
-                except ValueError:
-                    detail = response.text
-                raise ApiError(response.status_code, _CODES[response.status_code], str(detail)[:500])
+                raise _refusal(response)
             if response.is_success:
                 return response.json()
             last_error = f"{url}: HTTP {response.status_code}"
@@ -45,4 +42,18 @@ class BinderClient:
         return (await self._post("/search", body))["hits"]
 
     async def replay_webhook(self, request_id: str, tenant: str | None) -> dict[str, Any]:
+        """Queue the webhook again: 409 `replay_pending` while a replay of it is pending,
+        429 `replay_rate_limited` (with Retry-After) over the tenant's replays a minute."""
         return await self._post(f"/webhooks/{request_id}/replay", {"tenant": tenant})
+
+
+def _refusal(response: httpx.Response) -> ApiError:
+    code = _CODES[response.status_code]
+    try:
+        body = response.json()
+        detail, code = body.get("detail", response.text), body.get("code") or code
+    except (ValueError, AttributeError):
+        detail = response.text
+    retry_after = response.headers.get("retry-after")
+    headers = {"Retry-After": retry_after} if retry_after and retry_after.isdigit() else None
+    return ApiError(response.status_code, str(code)[:64], str(detail)[:500], headers=headers)

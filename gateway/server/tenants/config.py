@@ -12,7 +12,7 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import PyMongoError
 
-TENANTS_COLLECTION = "tenants"
+from gateway.protocol.records import TENANTS_COLLECTION
 
 
 class TenantLimits(BaseModel):
@@ -28,7 +28,9 @@ class TenantConfig(BaseModel):
     tenant: str
     weight: float = Field(default=1.0, gt=0, le=1000)
     limits: TenantLimits = Field(default_factory=TenantLimits)
-    # Standard Webhooks secrets for this tenant's webhooks (else the deployment's).
+    # Standard Webhooks secrets that sign this tenant's webhooks, all of them (else the
+    # deployment's). The admin API checks them (gateway.protocol.webhook_secrets); the
+    # binder reads them at send time (binder/webhooks/secrets.py).
     webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
 
     def public(self) -> dict[str, Any]:

@@ -1,8 +1,14 @@
 """API keys: `tgw_<key id>_<secret>`, random, shown once, stored in MongoDB only as the
 SHA-256 of the secret (the secret is 256 random bits, so a fast hash is safe), compared
 in constant time, never logged. Each key belongs to a tenant and has a role (user or
-admin). Verified keys are cached for a few seconds, so a revocation takes effect within
-cache_s and a MongoDB outage does not lock out recent callers."""
+admin).
+
+Verified keys are cached for a few seconds, so a MongoDB outage does not lock out recent
+callers. A revocation is announced on Redis pub/sub (`keys:changed`): every gateway
+drops its cache at once (and whenever its subscription reconnects, since a message may
+have been missed then), so a revoked key stops working everywhere within moments and is
+not brought back by an outage. Keys that were not found are cached apart, in a bounded
+LRU: a flood of random keys cannot push out the keys of real callers."""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -18,8 +26,14 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import PyMongoError
 
+from gateway.common.redis import RedisClients
+from gateway.protocol.redis_keys import KEYS_CHANNEL
+
 KEYS_COLLECTION = "api_keys"
 PREFIX = "tgw_"
+# Cached verifications: valid keys, and keys found unknown or revoked, apart.
+MAX_CACHED_KEYS = 10_000
+MAX_CACHED_MISSES = 10_000
 Role = Literal["user", "admin"]
 
 
@@ -58,10 +72,25 @@ def split(token: str) -> tuple[str, str] | None:
 
 
 class KeyStore:
-    def __init__(self, client: AsyncMongoClient, database: str, *, cache_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        client: AsyncMongoClient,
+        database: str,
+        *,
+        cache_s: float = 10.0,
+        announce: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """announce(): tell every process that keys changed (a revocation)."""
         self.collection: AsyncCollection = client[database][KEYS_COLLECTION]
         self.cache_s = cache_s
-        self._cache: dict[str, tuple[float, KeyInfo | None]] = {}
+        self.announce = announce
+        self._valid: OrderedDict[str, tuple[float, KeyInfo]] = OrderedDict()
+        self._missing: OrderedDict[str, float] = OrderedDict()
+
+    def forget(self) -> None:
+        """Drop every cached verification (a key changed somewhere)."""
+        self._valid.clear()
+        self._missing.clear()
 
     async def create(self, tenant: str, role: Role = "user", name: str = "") -> tuple[KeyInfo, str]:
         """A new key; returns its info and the key itself (the only time it is seen)."""
@@ -89,23 +118,29 @@ class KeyStore:
         key_id, secret = parts
         now = time.monotonic()
         cache_key = _hash(token)  # the cache never holds a key in the clear
-        cached = self._cache.get(cache_key)
-        if cached is not None and now - cached[0] < self.cache_s:
-            return cached[1]
+        valid = self._valid.get(cache_key)
+        if valid is not None and now - valid[0] < self.cache_s:
+            self._valid.move_to_end(cache_key)
+            return valid[1]
+        missed = self._missing.get(cache_key)
+        if missed is not None and now - missed < self.cache_s:
+            return None
         try:
             document = await self.collection.find_one({"_id": key_id})
         except PyMongoError:
-            if cached is not None:  # MongoDB is down: a key verified before still counts
-                return cached[1]
+            if valid is not None:  # MongoDB is down: a key verified before (and not revoked since) counts
+                return valid[1]
             raise
         info = None
         if document is not None and hmac.compare_digest(document.get("hash", ""), _hash(secret)):
             info = _info(document)
             if info.revoked:
                 info = None
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[cache_key] = (now, info)
+        if info is None:
+            self._valid.pop(cache_key, None)
+            _remember(self._missing, cache_key, now, MAX_CACHED_MISSES)
+        else:
+            _remember(self._valid, cache_key, (now, info), MAX_CACHED_KEYS)
         return info
 
     async def list(self, tenant: str | None = None) -> list[KeyInfo]:
@@ -117,8 +152,17 @@ class KeyStore:
         if tenant is not None:
             query["tenant"] = tenant
         result = await self.collection.update_one(query, {"$set": {"revoked": True}})
-        self._cache.clear()
+        self.forget()
+        if result.matched_count == 1 and self.announce is not None:
+            await self.announce()
         return result.matched_count == 1
+
+
+def _remember(cache: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
 
 
 def _info(document: dict[str, Any]) -> KeyInfo:
@@ -130,3 +174,24 @@ def _info(document: dict[str, Any]) -> KeyInfo:
         created_at=document.get("created_at") or datetime.now(UTC),
         revoked=bool(document.get("revoked")),
     )
+
+
+async def follow_key_changes(keys: KeyStore, redis: RedisClients) -> None:
+    """Drop the key cache whenever a key changes anywhere (supervised: returns only by
+    failing). A message may be lost while the subscription reconnects: the cache is
+    dropped on every (re)subscription as well."""
+    async with redis.subscription(KEYS_CHANNEL) as pubsub:
+        keys.forget()
+        while True:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+            if message is None:
+                await pubsub.ping()
+                continue
+            keys.forget()
+
+
+def announcer(redis: RedisClients) -> Callable[[], Awaitable[None]]:
+    async def announce() -> None:
+        await redis.main.publish(KEYS_CHANNEL, "revoked")
+
+    return announce

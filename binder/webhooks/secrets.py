@@ -1,0 +1,93 @@
+"""Which secrets sign a delivery: its tenant's own (`webhook_secrets` of the tenant's
+document in MongoDB's `tenants` collection, set through PUT /admin/tenants/<t>), all of
+them, so a receiver verifies during a rotation with either; else the deployment's
+WEBHOOK_SECRETS.
+
+They are looked up at send time, so a rotation applies to the next attempt, retries
+included, and kept per tenant for a few seconds. While MongoDB is out of reach the
+secrets last read for a tenant still sign; a tenant not read before cannot be signed
+for (never with the deployment secret in its place): that attempt fails and is retried.
+A stored tenant secret that cannot sign (stored before the admin API checked them) is
+reported, never quoted, and the attempt refused. No secret is ever logged."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import PyMongoError
+
+from gateway.protocol.webhook_secrets import secrets_problem
+
+log = logging.getLogger(__name__)
+
+# Tenants whose secrets are kept (least recently used dropped first).
+MAX_TENANTS = 10_000
+
+
+class SecretsUnavailable(Exception):
+    """The tenant's secrets could not be read and none are known yet."""
+
+
+@dataclass(frozen=True)
+class Signing:
+    """The secrets that sign one delivery, or why none can."""
+
+    secrets: tuple[str, ...]
+    owner: str  # "tenant" (its own secrets) or "deployment" (WEBHOOK_SECRETS)
+    problem: str | None = None  # a secret that cannot sign, described without quoting it
+
+
+class TenantSecrets:
+    def __init__(
+        self,
+        tenants: AsyncCollection | None,
+        deployment: list[str],
+        *,
+        cache_s: float = 5.0,
+        max_tenants: int = MAX_TENANTS,
+    ) -> None:
+        """tenants: the gateway's `tenants` collection (None: deployment secrets only)."""
+        self.tenants = tenants
+        self.deployment = tuple(deployment)
+        self.cache_s = cache_s
+        self.max_tenants = max_tenants
+        self._known: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()  # tenant -> (read at, secrets)
+
+    async def for_tenant(self, tenant: str) -> Signing:
+        own = await self._tenant_secrets(tenant)
+        if not own:
+            return Signing(self.deployment, "deployment")
+        problem = secrets_problem(list(own))
+        if problem:
+            problem = f"tenant {tenant}'s webhook {problem}; set valid ones with PUT /admin/tenants/{tenant}"
+        return Signing(own, "tenant", problem)
+
+    async def _tenant_secrets(self, tenant: str) -> tuple[str, ...]:
+        if self.tenants is None:
+            return ()
+        now = time.monotonic()
+        known = self._known.get(tenant)
+        if known is not None and now - known[0] < self.cache_s:
+            self._known.move_to_end(tenant)
+            return known[1]
+        try:
+            document = await self.tenants.find_one({"_id": tenant}, {"webhook_secrets": 1})
+        except PyMongoError as exc:
+            if known is None:
+                raise SecretsUnavailable(f"the webhook secrets of tenant {tenant} cannot be read: {exc}") from None
+            log.warning("reading the webhook secrets of tenant %s failed (%s); using the last known", tenant, exc)
+            self._known[tenant] = (now, known[1])  # asked again after cache_s, not on every attempt
+            return known[1]
+        found = (document or {}).get("webhook_secrets") or []
+        secrets = (
+            (found,) if isinstance(found, str) else tuple(str(s) for s in found) if isinstance(found, list) else ()
+        )
+        self._known[tenant] = (now, secrets)
+        self._known.move_to_end(tenant)
+        while len(self._known) > self.max_tenants:
+            self._known.popitem(last=False)
+        return secrets
