@@ -3,36 +3,50 @@
   sync     POST /infer with `Prefer: wait` (200 with the result),
   async    POST /infer (202), then GET /results/<id>?wait until it is ready.
 
-Sections (--sections, comma separated; all by default):
+Sections (--sections, comma separated; open,closed,ttft,v1,relay by default):
   open     open loop at fixed arrival rates: requests leave on schedule whatever the
            answers do (latency counts from the scheduled send, so a stall is not
            hidden); modes alternate in short slices, rounds repeated, so machine noise
            hits all of them alike.
   closed   throughput: closed loop, a fixed number of concurrent clients per mode.
-  ttft     time to first token on the synthetic engine (no compute): direct gRPC
-           stream vs POST + SSE vs /v1/chat/completions streamed.
+  ttft     time to first token on the synthetic engine (no compute) at 1, 8 and 32
+           concurrent streams (--ttft-streams): direct gRPC stream vs POST + SSE vs
+           /v1/chat/completions streamed, in one run.
   v1       the cost of the OpenAI layer: non-streamed /v1/chat/completions against
            POST /infer (sync) for the same model and prompt, alternating.
   relay    many concurrent token streams of the synthetic engine (50 tokens/s each):
            inter-token gaps at the client, direct gRPC vs gateway SSE, and every token
            counted (none may be lost).
+  llm      real generation with the `llm` model at 1, 8, 32, 128 concurrent streams
+           (--llm-streams): TTFT, tokens/s and end-to-end time, direct vs gateway.
+
+Every gateway row also reports the gateway's CPU per request (or per relayed token):
+the change of utime + stime of the gateway processes (found by the port they listen
+on, workers included) over the row's measured window, divided by what it served
+(bench/cpu.py). Error texts are printed under each table.
 
 The HTTP load comes from aiohttp, a lighter client than httpx, so that the client's own
-cost on this small machine is not counted as gateway overhead.
+cost on this small machine is not counted as gateway overhead. With several
+--gateway-url values (comma separated; a running stack, e.g. one gateway per core), the
+load is spread over them in turn.
 
 Run:  .venv/bin/python -m bench.gateway_bench            (starts its own local stack)
       .venv/bin/python -m bench.gateway_bench --rates 50,200 --slice 4 --rounds 2 --clients 64
       .venv/bin/python -m bench.gateway_bench --sections relay --streams 200
+      .venv/bin/python -m bench.gateway_bench --gateway-url http://127.0.0.1:8080 --triton-url 127.0.0.1:8001 \
+          --api-key "$(cat .stack/api_key)" --tokenizer-dir .stack/models/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -40,46 +54,79 @@ import aiohttp
 import numpy as np
 import tritonclient.grpc.aio as triton_aio
 
+from bench.cpu import ProcessCpu
 from bench.stack import local_stack
-from gateway.server.models import ModelRegistry
+from gateway.server.models import ModelAdapter
+from gateway.server.models.registry import LOCAL_PROFILE, build_adapter
 
-# The local profile's registry, built once the stack says where the LLM's tokenizer is.
-REGISTRY: ModelRegistry | None = None
 SECTIONS = ("open", "closed", "ttft", "v1", "relay")
+ALL_SECTIONS = (*SECTIONS, "llm")
 STREAM_MODEL = "llm_synthetic"  # the engine contract with no compute: 20 ms per token
-
 
 STREAM_INPUTS = {"text_input": "Hello world, the gateway", "max_tokens": 32}
 INPUTS = {
     "clip_text": {"text": "a photo of a cat sitting on a mat"},
     "text_embed": {"text": "a cat sits on the mat"},
     "llm_synthetic": {"text_input": "Hello world, the gateway", "max_tokens": 8},
+    "llm": {"text_input": "Write a short story about a lighthouse keeper.", "max_tokens": 64},
 }
 CHAT = [{"role": "user", "content": "Hello world, the gateway"}]
+_ADAPTERS: dict[str, ModelAdapter] = {}
+
+
+def adapter(model: str) -> ModelAdapter:
+    """The local profile's adapter for `model` (LLMs need their tokenizer: $LLM_MODEL_DIR)."""
+    if model not in _ADAPTERS:
+        spec = next(s for s in LOCAL_PROFILE if s.name == model)
+        if spec.tokenizer and "LLM_MODEL_DIR" in spec.tokenizer and not os.environ.get("LLM_MODEL_DIR"):
+            raise SystemExit(f"{model} needs the LLM's tokenizer: pass --tokenizer-dir (or set LLM_MODEL_DIR)")
+        _ADAPTERS[model] = build_adapter(spec)
+    return _ADAPTERS[model]
 
 
 @dataclass
 class Samples:
     latencies: list[float] = field(default_factory=list)
-    errors: int = 0
+    errors: Counter = field(default_factory=Counter)
     started: float = 0.0
     ended: float = 0.0
+    cpu_s: float = 0.0  # the gateway's CPU over the measured windows
 
     def add(self, other: Samples) -> None:
         self.latencies += other.latencies
         self.errors += other.errors
         self.ended += other.ended - other.started  # accumulated wall time of the slices
+        self.cpu_s += other.cpu_s
 
     def pct(self, q: float) -> float:
         return pct(self.latencies, q)
 
     @property
+    def served(self) -> int:
+        return len(self.latencies) + sum(self.errors.values())
+
+    @property
     def rate(self) -> float:
         return len(self.latencies) / self.ended if self.ended else 0.0
+
+    def cpu_ms(self) -> str:
+        return f"{self.cpu_s * 1000 / self.served:.2f}" if self.served and self.cpu_s else ""
 
 
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1000 if values else float("nan")
+
+
+def ratio(value: float, base: float) -> str:
+    return f"{value / base:.0%}" if base else "n/a"
+
+
+def error_lines(samples: dict[str, Samples]) -> list[str]:
+    lines = []
+    for mode, s in samples.items():
+        for text, count in s.errors.most_common(3):
+            lines.append(f"- {mode}: {count} x {text}")
+    return ["", "Errors:", *lines] if lines else []
 
 
 Call = Callable[[], Awaitable[None]]
@@ -93,9 +140,8 @@ async def direct_stream(
     client: triton_aio.InferenceServerClient, model: str, inputs: dict, stream: bool
 ) -> AsyncIterator[int]:
     """Yields the number of tokens (pieces) in each response of a direct gRPC call."""
-    assert REGISTRY is not None
-    adapter = REGISTRY.get(model)
-    run = adapter.new_run(adapter.validate(inputs, {}))
+    model_adapter = adapter(model)
+    run = model_adapter.new_run(model_adapter.validate(inputs, {}))
     request = {"model_name": run.triton_model, "inputs": run.inputs(stream), "outputs": run.outputs()}
     if not run.decoupled:
         await client.infer(run.triton_model, request["inputs"], outputs=request["outputs"])
@@ -117,58 +163,96 @@ def direct_call(client: triton_aio.InferenceServerClient, model: str, inputs: di
     return call
 
 
-def sync_call(http: aiohttp.ClientSession, model: str, inputs: dict) -> Call:
+class Gateways:
+    """HTTP sessions to one or more gateways, used in turn, and their CPU."""
+
+    def __init__(self, urls: list[str], api_key: str) -> None:
+        self.sessions = [
+            aiohttp.ClientSession(
+                url,
+                # Idle connections are dropped before the gateway's keep-alive (5 s) would close them.
+                connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
+                timeout=aiohttp.ClientTimeout(total=300),
+                headers={"Authorization": f"Bearer {api_key}"},
+            )
+            for url in urls
+        ]
+        self._turn = itertools.cycle(self.sessions)
+        try:
+            self.cpu: ProcessCpu | None = ProcessCpu.of_urls(urls)
+        except Exception as exc:  # a gateway on another host: latency only
+            print(f"(gateway CPU not measured: {exc})", flush=True)
+            self.cpu = None
+
+    def next(self) -> aiohttp.ClientSession:
+        return next(self._turn)
+
+    def cpu_seconds(self) -> float:
+        return self.cpu.seconds() if self.cpu is not None else 0.0
+
+    async def close(self) -> None:
+        for session in self.sessions:
+            await session.close()
+
+
+def sync_call(http: Gateways, model: str, inputs: dict) -> Call:
     async def call() -> None:
-        async with http.post(
+        async with http.next().post(
             "/infer", json={"model": model, "inputs": inputs}, headers={"Prefer": "wait=30"}
         ) as response:
             body = await response.json()
         if response.status != 200 or body["status"] != "succeeded":
-            raise RuntimeError(str(body)[:200])
+            raise RuntimeError(f"{response.status} {str(body)[:160]}")
 
     return call
 
 
-def async_call(http: aiohttp.ClientSession, model: str, inputs: dict) -> Call:
+def async_call(http: Gateways, model: str, inputs: dict) -> Call:
     async def call() -> None:
-        async with http.post("/infer", json={"model": model, "inputs": inputs}) as response:
+        session = http.next()
+        async with session.post("/infer", json={"model": model, "inputs": inputs}) as response:
             accepted = await response.json()
         if response.status != 202:
-            raise RuntimeError(str(accepted)[:200])
+            raise RuntimeError(f"{response.status} {str(accepted)[:160]}")
         while True:
-            async with http.get(f"/results/{accepted['request_id']}", params={"wait": "30"}) as response:
+            async with session.get(f"/results/{accepted['request_id']}", params={"wait": "30"}) as response:
                 record = await response.json()
             if record["status"] in ("succeeded", "failed", "canceled", "expired"):
                 if record["status"] != "succeeded":
-                    raise RuntimeError(record["status"])
+                    raise RuntimeError(f"{record['status']}: {str(record.get('error'))[:160]}")
                 return
 
     return call
 
 
-def chat_call(http: aiohttp.ClientSession, model: str, max_tokens: int) -> Call:
+def chat_call(http: Gateways, model: str, max_tokens: int) -> Call:
     async def call() -> None:
         body = {"model": model, "messages": CHAT, "max_tokens": max_tokens}
-        async with http.post("/v1/chat/completions", json=body) as response:
+        async with http.next().post("/v1/chat/completions", json=body) as response:
             answer = await response.json()
         if response.status != 200:
-            raise RuntimeError(str(answer)[:200])
+            raise RuntimeError(f"{response.status} {str(answer)[:160]}")
 
     return call
 
 
-async def open_loop(call: Call, rate: float, seconds: float) -> Samples:
+def _failed(samples: Samples, exc: BaseException) -> None:
+    samples.errors[f"{type(exc).__name__}: {exc}"[:200]] += 1
+
+
+async def open_loop(call: Call, rate: float, seconds: float, cpu: Callable[[], float]) -> Samples:
     samples = Samples()
     loop = asyncio.get_running_loop()
     start = loop.time() + 0.05
     samples.started = time.perf_counter()
+    cpu_before = cpu()
 
     async def one(scheduled: float) -> None:
         try:
             await call()
             samples.latencies.append(loop.time() - scheduled)
-        except Exception:
-            samples.errors += 1
+        except Exception as exc:
+            _failed(samples, exc)
 
     tasks = []
     for i in range(int(rate * seconds)):
@@ -179,12 +263,14 @@ async def open_loop(call: Call, rate: float, seconds: float) -> Samples:
         tasks.append(asyncio.create_task(one(scheduled)))
     await asyncio.gather(*tasks)
     samples.ended = time.perf_counter()
+    samples.cpu_s = cpu() - cpu_before
     return samples
 
 
-async def closed_loop(call: Call, clients: int, seconds: float) -> Samples:
+async def closed_loop(call: Call, clients: int, seconds: float, cpu: Callable[[], float]) -> Samples:
     samples = Samples(started=time.perf_counter())
     stop = time.perf_counter() + seconds
+    cpu_before = cpu()
 
     async def worker() -> None:
         while time.perf_counter() < stop:
@@ -192,11 +278,12 @@ async def closed_loop(call: Call, clients: int, seconds: float) -> Samples:
             try:
                 await call()
                 samples.latencies.append(time.perf_counter() - began)
-            except Exception:
-                samples.errors += 1
+            except Exception as exc:
+                _failed(samples, exc)
 
     await asyncio.gather(*(worker() for _ in range(clients)))
     samples.ended = time.perf_counter()
+    samples.cpu_s = cpu() - cpu_before
     return samples
 
 
@@ -216,22 +303,28 @@ class StreamTrace:
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
+    @property
+    def total(self) -> float:
+        return self.arrivals[-1] - self.began if self.arrivals else float("nan")
 
-async def trace_direct(client: triton_aio.InferenceServerClient, inputs: dict) -> StreamTrace:
+
+async def trace_direct(
+    client: triton_aio.InferenceServerClient, inputs: dict, model: str = STREAM_MODEL
+) -> StreamTrace:
     trace = StreamTrace(began=time.perf_counter(), expected=inputs["max_tokens"])
-    async for count in direct_stream(client, STREAM_MODEL, inputs, stream=True):
+    async for count in direct_stream(client, model, inputs, stream=True):
         now = time.perf_counter()
         trace.arrivals += [now] * count
         trace.tokens += count
     return trace
 
 
-async def trace_sse(http: aiohttp.ClientSession, inputs: dict) -> StreamTrace:
+async def trace_sse(http: Gateways, inputs: dict, model: str = STREAM_MODEL) -> StreamTrace:
     """POST with Accept: text/event-stream: the events come back on the submit itself."""
     trace = StreamTrace(began=time.perf_counter(), expected=inputs["max_tokens"])
-    body = {"model": STREAM_MODEL, "inputs": inputs, "stream": True}
+    body = {"model": model, "inputs": inputs, "stream": True}
     event = ""
-    async with http.post("/infer", json=body, headers={"Accept": "text/event-stream"}) as events:
+    async with http.next().post("/infer", json=body, headers={"Accept": "text/event-stream"}) as events:
         async for raw in events.content:
             line = raw.decode().strip()
             if line.startswith("event:"):
@@ -246,10 +339,10 @@ async def trace_sse(http: aiohttp.ClientSession, inputs: dict) -> StreamTrace:
     return trace
 
 
-async def trace_chat_stream(http: aiohttp.ClientSession, max_tokens: int) -> StreamTrace:
+async def trace_chat_stream(http: Gateways, max_tokens: int) -> StreamTrace:
     trace = StreamTrace(began=time.perf_counter(), expected=max_tokens)
     body = {"model": STREAM_MODEL, "messages": CHAT, "max_tokens": max_tokens, "stream": True}
-    async with http.post("/v1/chat/completions", json=body) as events:
+    async with http.next().post("/v1/chat/completions", json=body) as events:
         async for raw in events.content:
             line = raw.decode().strip()
             if line == "data: [DONE]":
@@ -266,74 +359,86 @@ def row(*cells: object) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-async def section_open(args: argparse.Namespace, calls: dict[str, Call]) -> list[str]:
+async def section_open(args: argparse.Namespace, calls: dict[str, Call], http: Gateways) -> list[str]:
     lines = [
         f"Model `{args.model}`, open loop, {args.rounds} rounds x {args.slice:g} s per mode and rate "
-        "(latency from the scheduled send).",
+        "(latency from the scheduled send):",
         "",
         row("rate (req/s)", "mode", "requests", "errors", "achieved req/s", "p50 ms", "p90 ms", "p99 ms",
-            "added p50 ms", "added p99 ms"),
-        row(*["---"] * 10),
+            "added p50 ms", "added p99 ms", "gateway CPU ms/req"),
+        row(*["---"] * 11),
     ]  # fmt: skip
+    all_totals: dict[str, Samples] = {}
     for rate in args.rates:
         totals = {mode: Samples() for mode in calls}
         for _ in range(args.rounds):
             for mode, call in calls.items():
-                totals[mode].add(await open_loop(call, rate, args.slice))
+                cpu = http.cpu_seconds if mode != "direct" else (lambda: 0.0)
+                totals[mode].add(await open_loop(call, rate, args.slice, cpu))
         base = totals["direct"]
         for mode, s in totals.items():
             added = ("", "") if mode == "direct" else (
                 f"{s.pct(50) - base.pct(50):+.2f}", f"{s.pct(99) - base.pct(99):+.2f}"
             )  # fmt: skip
-            lines.append(row(rate, mode, len(s.latencies), s.errors, f"{s.rate:.0f}", f"{s.pct(50):.2f}",
-                             f"{s.pct(90):.2f}", f"{s.pct(99):.2f}", *added))  # fmt: skip
-    return lines
+            lines.append(row(rate, mode, len(s.latencies), sum(s.errors.values()), f"{s.rate:.0f}",
+                             f"{s.pct(50):.2f}", f"{s.pct(90):.2f}", f"{s.pct(99):.2f}", *added,
+                             s.cpu_ms()))  # fmt: skip
+            all_totals[f"{mode} at {rate:g}/s"] = s
+    return lines + error_lines(all_totals)
 
 
-async def section_closed(args: argparse.Namespace, calls: dict[str, Call]) -> list[str]:
+async def section_closed(args: argparse.Namespace, calls: dict[str, Call], http: Gateways) -> list[str]:
     lines = [
         f"Throughput, model `{args.model}`, closed loop with {args.clients} concurrent clients, "
         f"{args.rounds} x {args.slice:g} s per mode:",
         "",
-        row("mode", "requests", "errors", "req/s", "p50 ms", "p99 ms", "vs direct"),
-        row(*["---"] * 7),
+        row("mode", "requests", "errors", "req/s", "p50 ms", "p99 ms", "vs direct", "gateway CPU ms/req"),
+        row(*["---"] * 8),
     ]
     totals = {mode: Samples() for mode in calls}
     for _ in range(args.rounds):
         for mode, call in calls.items():
-            totals[mode].add(await closed_loop(call, args.clients, args.slice))
+            cpu = http.cpu_seconds if mode != "direct" else (lambda: 0.0)
+            totals[mode].add(await closed_loop(call, args.clients, args.slice, cpu))
     for mode, s in totals.items():
-        lines.append(row(mode, len(s.latencies), s.errors, f"{s.rate:.0f}", f"{s.pct(50):.2f}",
-                         f"{s.pct(99):.2f}", f"{s.rate / totals['direct'].rate:.0%}"))  # fmt: skip
-    return lines
+        lines.append(row(mode, len(s.latencies), sum(s.errors.values()), f"{s.rate:.0f}", f"{s.pct(50):.2f}",
+                         f"{s.pct(99):.2f}", ratio(s.rate, totals["direct"].rate), s.cpu_ms()))  # fmt: skip
+    return lines + error_lines(totals)
 
 
-async def section_ttft(args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http) -> list[str]:
-    paths: dict[str, list[float]] = {"direct": [], "sse": [], "chat": []}
-    for _ in range(args.ttft_samples):
-        paths["direct"].append((await trace_direct(triton, STREAM_INPUTS)).ttft)
-        paths["sse"].append((await trace_sse(http, STREAM_INPUTS)).ttft)
-        paths["chat"].append((await trace_chat_stream(http, STREAM_INPUTS["max_tokens"])).ttft)
-    base = statistics.median(paths["direct"]) * 1000
+async def section_ttft(args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http: Gateways) -> list[str]:
     names = {
         "direct": "direct gRPC stream_infer",
         "sse": "gateway POST /infer, events in the answer (SSE)",
         "chat": "gateway /v1/chat/completions, stream=true",
     }
     lines = [
-        f"Time to first token, `{STREAM_MODEL}` (no compute), {args.ttft_samples} sequential requests each, "
-        "alternating:",
+        f"Time to first token, `{STREAM_MODEL}` (no compute, {STREAM_INPUTS['max_tokens']} tokens), "
+        f"{args.ttft_samples} rounds per concurrency, paths alternating within each round:",
         "",
-        row("path", "median TTFT ms", "p90 ms", "added median ms"),
-        row(*["---"] * 4),
+        row("concurrent streams", "path", "median TTFT ms", "p90 ms", "added median ms"),
+        row(*["---"] * 5),
     ]
-    for key, values in paths.items():
-        median = statistics.median(values) * 1000
-        lines.append(row(names[key], f"{median:.2f}", f"{pct(values, 90):.2f}", f"{median - base:+.2f}"))
+    starts = {
+        "direct": lambda: trace_direct(triton, STREAM_INPUTS),
+        "sse": lambda: trace_sse(http, STREAM_INPUTS),
+        "chat": lambda: trace_chat_stream(http, STREAM_INPUTS["max_tokens"]),
+    }
+    for streams in args.ttft_streams:
+        paths: dict[str, list[float]] = {key: [] for key in starts}
+        rounds = max(1, args.ttft_samples // streams) if streams > 1 else args.ttft_samples
+        for _ in range(rounds):
+            for key, start in starts.items():
+                traces = await asyncio.gather(*(start() for _ in range(streams)))
+                paths[key] += [t.ttft for t in traces if t.arrivals]
+        base = statistics.median(paths["direct"]) * 1000
+        for key, values in paths.items():
+            median = statistics.median(values) * 1000
+            lines.append(row(streams, names[key], f"{median:.2f}", f"{pct(values, 90):.2f}", f"{median - base:+.2f}"))
     return lines
 
 
-async def section_v1(args: argparse.Namespace, http: aiohttp.ClientSession) -> list[str]:
+async def section_v1(args: argparse.Namespace, http: Gateways) -> list[str]:
     """Non-streamed chat against /infer (sync) on the same engine, 1 token: the OpenAI layer's cost."""
     native = sync_call(http, STREAM_MODEL, {"text_input": CHAT[0]["content"], "max_tokens": 1})
     chat = chat_call(http, STREAM_MODEL, 1)
@@ -357,62 +462,105 @@ async def section_v1(args: argparse.Namespace, http: aiohttp.ClientSession) -> l
     return lines
 
 
-async def section_relay(args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http) -> list[str]:
+async def _streams(start: Callable[[], Awaitable[StreamTrace]], count: int) -> tuple[list[StreamTrace], float, Counter]:
+    began = time.perf_counter()
+    traces = await asyncio.gather(*(start() for _ in range(count)), return_exceptions=True)
+    wall = time.perf_counter() - began
+    errors = Counter(f"{type(t).__name__}: {t}"[:200] for t in traces if isinstance(t, BaseException))
+    return [t for t in traces if isinstance(t, StreamTrace) and t.arrivals], wall, errors
+
+
+async def section_relay(
+    args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http: Gateways
+) -> list[str]:
     inputs = {"text_input": "Relay this", "max_tokens": args.stream_tokens}
     lines = [
         f"Relay: {args.streams} concurrent streams of `{STREAM_MODEL}` (50 tokens/s each), {args.stream_tokens} "
         "tokens per stream, started together; gaps between tokens as the client sees them:",
         "",
-        row("path", "streams", "tokens expected", "tokens received", "tokens/s", "gap p50 ms", "gap p99 ms",
-            "TTFT p50 ms", "TTFT p99 ms"),
-        row(*["---"] * 9),
+        row("path", "streams", "tokens expected", "tokens received", "tokens/s", "vs direct", "gap p50 ms",
+            "gap p99 ms", "TTFT p50 ms", "TTFT p99 ms", "gateway CPU µs/token"),
+        row(*["---"] * 11),
     ]  # fmt: skip
+    direct_rate = 0.0
+    errors: dict[str, Samples] = {}
     for label, start in (
         ("direct gRPC", lambda: trace_direct(triton, inputs)),
         ("gateway SSE", lambda: trace_sse(http, inputs)),
     ):
-        began = time.perf_counter()
-        traces = await asyncio.gather(*(start() for _ in range(args.streams)), return_exceptions=True)
-        wall = time.perf_counter() - began
-        ok = [t for t in traces if isinstance(t, StreamTrace) and t.arrivals]
+        cpu_before = http.cpu_seconds()
+        ok, wall, failed = await _streams(start, args.streams)
+        cpu_s = http.cpu_seconds() - cpu_before
+        errors[label] = Samples(errors=failed)
         gaps = [g for t in ok for g in t.gaps()]
         received = sum(t.tokens for t in ok)
+        rate = received / wall
+        direct_rate = direct_rate or rate
+        per_token = f"{cpu_s * 1e6 / received:.1f}" if label != "direct gRPC" and received else ""
         lines.append(row(label, f"{len(ok)}/{args.streams}", args.streams * args.stream_tokens, received,
-                         f"{received / wall:.0f}", f"{pct(gaps, 50):.1f}", f"{pct(gaps, 99):.1f}",
-                         f"{pct([t.ttft for t in ok], 50):.1f}", f"{pct([t.ttft for t in ok], 99):.1f}"))  # fmt: skip
-    return lines
+                         f"{rate:.0f}", ratio(rate, direct_rate), f"{pct(gaps, 50):.1f}", f"{pct(gaps, 99):.1f}",
+                         f"{pct([t.ttft for t in ok], 50):.1f}", f"{pct([t.ttft for t in ok], 99):.1f}",
+                         per_token))  # fmt: skip
+    return lines + error_lines(errors)
 
 
-async def run(args: argparse.Namespace, gateway_url: str, triton_url: str, api_key: str) -> str:
-    global REGISTRY
-    REGISTRY = ModelRegistry.from_file(None)
+async def section_llm(args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http: Gateways) -> list[str]:
+    """Real generation: the `llm` model (the engine stand-in, or TensorRT-LLM) streamed."""
+    inputs = {"text_input": INPUTS["llm"]["text_input"], "max_tokens": args.llm_tokens}
+    lines = [
+        f"Real generation, `llm`, {args.llm_tokens} tokens per stream (greedy), streams started together:",
+        "",
+        row("streams", "path", "ok", "TTFT p50 ms", "TTFT p90 ms", "end-to-end p50 s", "tokens/s", "vs direct",
+            "gateway CPU µs/token"),
+        row(*["---"] * 9),
+    ]  # fmt: skip
+    errors: dict[str, Samples] = {}
+    for streams in args.llm_streams:
+        direct_rate = 0.0
+        for label, start in (
+            ("direct gRPC", lambda: trace_direct(triton, inputs, "llm")),
+            ("gateway SSE", lambda: trace_sse(http, inputs, "llm")),
+        ):
+            cpu_before = http.cpu_seconds()
+            ok, wall, failed = await _streams(start, streams)
+            cpu_s = http.cpu_seconds() - cpu_before
+            errors[f"{label} x{streams}"] = Samples(errors=failed)
+            tokens = sum(t.tokens for t in ok)
+            rate = tokens / wall
+            direct_rate = direct_rate or rate
+            per_token = f"{cpu_s * 1e6 / tokens:.1f}" if label != "direct gRPC" and tokens else ""
+            lines.append(row(streams, label, f"{len(ok)}/{streams}", f"{pct([t.ttft for t in ok], 50):.1f}",
+                             f"{pct([t.ttft for t in ok], 90):.1f}", f"{statistics.median([t.total for t in ok]):.2f}"
+                             if ok else "", f"{rate:.0f}", ratio(rate, direct_rate), per_token))  # fmt: skip
+    return lines + error_lines(errors)
+
+
+async def run(args: argparse.Namespace, gateway_urls: list[str], triton_url: str, api_key: str) -> str:
     triton = triton_aio.InferenceServerClient(triton_url)
-    http = aiohttp.ClientSession(
-        gateway_url,
-        # Idle connections are dropped before the gateway's keep-alive (5 s) would close them.
-        connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
-        timeout=aiohttp.ClientTimeout(total=120),
-        headers={"Authorization": f"Bearer {api_key}"},
-    )
+    http = Gateways(gateway_urls, api_key)
     calls = {
         "direct": direct_call(triton, args.model, INPUTS[args.model]),
         "sync": sync_call(http, args.model, INPUTS[args.model]),
         "async": async_call(http, args.model, INPUTS[args.model]),
     }
-    for call in calls.values():  # warm up every path
-        await closed_loop(call, 8, 2)
-    report: list[str] = []
+    if {"open", "closed"} & set(args.sections):
+        for call in calls.values():  # warm up every path
+            await closed_loop(call, 8, 2, lambda: 0.0)
+    processes = f", {http.cpu.count} gateway processes" if http.cpu is not None else ""
+    report: list[str] = [f"Gateways {', '.join(gateway_urls)}{processes}; Triton {triton_url}.", ""]
     for section in args.sections:
         if section == "open":
-            report += await section_open(args, calls)
+            report += await section_open(args, calls, http)
         elif section == "closed":
-            report += await section_closed(args, calls)
+            report += await section_closed(args, calls, http)
         elif section == "ttft":
             report += await section_ttft(args, triton, http)
         elif section == "v1":
             report += await section_v1(args, http)
         elif section == "relay":
             report += await section_relay(args, triton, http)
+        elif section == "llm":
+            report += await section_llm(args, triton, http)
         report.append("")
         print("\n".join(report), flush=True)  # partial results survive an interrupted run
     await http.close()
@@ -420,34 +568,50 @@ async def run(args: argparse.Namespace, gateway_url: str, triton_url: str, api_k
     return "\n".join(report)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(ALL_SECTIONS)}")
     parser.add_argument("--rates", default="50,200", help="arrival rates, req/s")
     parser.add_argument("--slice", type=float, default=4.0, help="seconds per mode per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients for the throughput test")
     parser.add_argument("--ttft-samples", type=int, default=30)
+    parser.add_argument("--ttft-streams", default="1,8,32", help="concurrent streams for the TTFT section")
     parser.add_argument("--streams", type=int, default=200, help="concurrent streams for the relay test")
     parser.add_argument("--stream-tokens", type=int, default=100)
+    parser.add_argument("--llm-streams", default="1,8,32,128", help="concurrent streams for the llm section")
+    parser.add_argument("--llm-tokens", type=int, default=64)
     parser.add_argument("--model", default="clip_text", choices=sorted(INPUTS))
     parser.add_argument("--workers", type=int, default=1, help="gateway processes of the stack it starts")
-    parser.add_argument("--gateway-url", help="use a running gateway (with --triton-url) instead of starting a stack")
+    parser.add_argument("--gateway-url", help="running gateways (comma separated), with --triton-url")
     parser.add_argument("--triton-url")
     parser.add_argument("--api-key", default="", help="with --gateway-url")
+    parser.add_argument("--tokenizer-dir", help="the LLM's tokenizer directory (default $LLM_MODEL_DIR)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     args.sections = [s for s in args.sections.split(",") if s]
+    args.ttft_streams = _ints(args.ttft_streams)
+    args.llm_streams = _ints(args.llm_streams)
+    unknown = set(args.sections) - set(ALL_SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+    if args.tokenizer_dir:
+        os.environ["LLM_MODEL_DIR"] = args.tokenizer_dir
     if args.gateway_url and args.triton_url:
-        report = asyncio.run(run(args, args.gateway_url, args.triton_url, args.api_key))
+        urls = [u.strip() for u in args.gateway_url.split(",") if u.strip()]
+        report = asyncio.run(run(args, urls, args.triton_url, args.api_key))
     else:
         # The relay runs every stream at once: the gateway may keep that many on one replica.
-        inflight = str(max(32, args.streams + 8))
+        inflight = str(max(32, args.streams + 8, *args.llm_streams))
         with local_stack(gateway_workers=args.workers, REPLICA_MAX_INFLIGHT=inflight) as endpoints:
             assert endpoints.stack is not None
-            os.environ["LLM_MODEL_DIR"] = endpoints.stack.service_env["LLM_MODEL_DIR"]
-            report = asyncio.run(run(args, endpoints.gateway, endpoints.triton_grpc, endpoints.api_key))
+            os.environ.setdefault("LLM_MODEL_DIR", endpoints.stack.service_env["LLM_MODEL_DIR"])
+            report = asyncio.run(run(args, [endpoints.gateway], endpoints.triton_grpc, endpoints.api_key))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"report": report}, out)

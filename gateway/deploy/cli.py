@@ -38,7 +38,8 @@ def _friendly(func: F) -> F:
 def render(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the model repository to.")],
     profile: Annotated[
-        list[str] | None, typer.Option("--profile", "-p", help="local, trtllm or clip_trt; repeat to combine.")
+        list[str] | None,
+        typer.Option("--profile", "-p", help="local, trtllm, clip_trt or llmapi; repeat to combine."),
     ] = None,
     settings: Annotated[
         Path | None, typer.Option("--settings", "-s", help="TOML file with a [profile] table of parameters.")
@@ -51,6 +52,13 @@ def render(
         typer.Option(help="The trtllm engine folder as this machine sees it, to check its config.json."),
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an earlier render in --out.")] = False,
+    llmapi_source: Annotated[
+        Path | None,
+        typer.Option(
+            help="llmapi: the folder with TensorRT-LLM's model.py and helpers.py "
+            "(triton_backend/all_models/llmapi/tensorrt_llm/1 of the container's version), copied in."
+        ),
+    ] = None,
 ) -> None:
     """Fill the templates of model_repo/<profile> and write a checked model repository."""
     from gateway.deploy import render as r
@@ -62,6 +70,7 @@ def render(
         sets=r.parse_sets(list(set_ or [])),
         engine_dir=engine_dir,
         force=force,
+        llmapi_source=llmapi_source,
     )
     for note in result.notes:
         typer.echo(note)

@@ -1,12 +1,18 @@
 """Render Triton model repositories from the templates under model_repo/.
 
-A profile is a folder of model_repo/ (local, trtllm, clip_trt). A templated profile has a
-params.toml declaring its parameters; every `${name}` in its config.pbtxt files must be one
-of them. Values come from a TOML settings file (one table per profile) and `--set
-profile.name=value`; unknown and missing keys are refused. The rendered repository is
-checked before it is put in place: every config.pbtxt parses as a Triton ModelConfig, and
-every ensemble step names a model of the repository with inputs, outputs and data types
-that fit. For trtllm, the engine's config.json is checked against the settings.
+A profile is a folder of model_repo/ (local, trtllm, clip_trt, llmapi). A templated profile
+has a params.toml declaring its parameters; every `${name}` in its config.pbtxt and
+1/*.yaml files must be one of them (or derived from them, see DERIVED). Values come from a
+TOML settings file (one table per profile) and `--set profile.name=value`; unknown and
+missing keys are refused. The rendered repository is checked before it is put in place:
+every config.pbtxt parses as a Triton ModelConfig, every ensemble step names a model of the
+repository with inputs, outputs and data types that fit, and every LLM-API model.yaml has
+the keys TensorRT-LLM's llmapi model.py reads. For trtllm, the engine's config.json is
+checked against the settings.
+
+trtllm and llmapi are the two ways TensorRT-LLM runs on Triton: trtllm a prebuilt TensorRT
+engine behind the tensorrtllm backend (token ids; what older deployments run), llmapi the
+LLM API on its PyTorch backend (text; no engine to build). See docs/deployment.md.
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ from tritonclient.grpc import model_config_pb2
 
 from gateway.deploy import MODEL_REPO, ToolError
 
-PROFILES = ("local", "trtllm", "clip_trt")
+PROFILES = ("local", "trtllm", "clip_trt", "llmapi")
+# Template values computed from a profile's parameters, not set by the user.
+DERIVED = {"llmapi": ("cuda_graph_config",)}
+# The files of TensorRT-LLM's llmapi model that render copies in (--llmapi-source).
+LLMAPI_CODE = ("model.py", "helpers.py")
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 _REQUIRED = object()
 
@@ -119,7 +129,7 @@ class Profile:
         return cls(name=name, root=root, params=params)
 
     def templates(self) -> list[Path]:
-        return sorted(self.root.glob("*/config.pbtxt"))
+        return sorted([*self.root.glob("*/config.pbtxt"), *self.root.glob("*/1/*.yaml")])
 
     def placeholders(self) -> set[str]:
         names: set[str] = set()
@@ -140,6 +150,16 @@ class Profile:
         for name, value in given.items():
             values[name] = self.params[name].coerce(value, where)
         return values
+
+
+def derived(profile: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The DERIVED template values of a profile."""
+    if profile == "llmapi":
+        # The LLM API's CudaGraphConfig: graphs for every batch up to max_batch_size (a batch
+        # is padded to the next captured size); null turns them off.
+        graphs = f"{{enable_padding: true, max_batch_size: {values['max_batch_size']}}}"
+        return {"cuda_graph_config": graphs if values["cuda_graphs"] else "null"}
+    return {}
 
 
 def load_settings(path: Path | None) -> dict[str, dict[str, Any]]:
@@ -192,7 +212,8 @@ def load_repo(repo: Path) -> dict[str, model_config_pb2.ModelConfig]:
 
 
 def check_repo(repo: Path) -> dict[str, model_config_pb2.ModelConfig]:
-    """Every config parses; every ensemble step fits the model it names."""
+    """Every config parses; every ensemble step fits the model it names; every LLM-API
+    model.yaml has what model.py reads."""
     configs = load_repo(repo)
     if not configs:
         raise ToolError(f"{repo}: no config.pbtxt found")
@@ -201,7 +222,39 @@ def check_repo(repo: Path) -> dict[str, model_config_pb2.ModelConfig]:
             raise ToolError(f"{repo / name}: version folder 1/ missing")
         if config.platform == "ensemble":
             _check_ensemble(config, configs)
+        if (repo / name / "1" / "model.yaml").exists():
+            check_llmapi_yaml(repo / name / "1" / "model.yaml", config)
     return configs
+
+
+def check_llmapi_yaml(path: Path, config: model_config_pb2.ModelConfig) -> dict[str, Any]:
+    """TensorRT-LLM's llmapi model.yaml: the LLM API's arguments, and triton_config, which
+    model.py's auto_complete_config applies; config.pbtxt, where it sets the same fields
+    (for a Triton without auto-complete), must agree with it."""
+    import yaml
+
+    try:
+        document = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ToolError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(document, dict):
+        raise ToolError(f"{path}: expected a mapping of LLM API arguments")
+    missing = [key for key in ("model", "backend", "triton_config") if not document.get(key)]
+    triton = document.get("triton_config") or {}
+    missing += [f"triton_config.{key}" for key in ("max_batch_size", "decoupled") if key not in triton]
+    if missing:
+        raise ToolError(f"{path}: missing {', '.join(missing)}")
+    config_path = path.parent.parent / "config.pbtxt"
+    if config.max_batch_size != triton["max_batch_size"]:
+        raise ToolError(
+            f"{config_path}: max_batch_size {config.max_batch_size} differs from model.yaml's "
+            f"triton_config.max_batch_size {triton['max_batch_size']}"
+        )
+    if config.HasField("model_transaction_policy") and config.model_transaction_policy.decoupled != bool(
+        triton["decoupled"]
+    ):
+        raise ToolError(f"{config_path}: decoupled differs from model.yaml's triton_config.decoupled")
+    return document
 
 
 def _check_ensemble(ensemble: model_config_pb2.ModelConfig, configs: dict[str, Any]) -> None:
@@ -281,8 +334,9 @@ class RenderResult:
 
 
 def render_profile(profile: Profile, values: dict[str, Any], dest: Path) -> list[str]:
-    """Copy the profile's models into dest, with its config.pbtxt files filled in."""
-    formatted = {name: format_value(value) for name, value in values.items()}
+    """Copy the profile's models into dest, with its templates (config.pbtxt, 1/*.yaml)
+    filled in."""
+    formatted = {name: format_value(value) for name, value in {**values, **derived(profile.name, values)}.items()}
     models = []
     for model_dir in sorted(p for p in profile.root.iterdir() if (p / "config.pbtxt").exists()):
         target = dest / model_dir.name
@@ -290,17 +344,29 @@ def render_profile(profile: Profile, values: dict[str, Any], dest: Path) -> list
             raise ToolError(f"model {model_dir.name!r} comes from two profiles; render them into separate repositories")
         shutil.copytree(model_dir, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         if profile.templated:
-            text = (model_dir / "config.pbtxt").read_text()
-            try:
-                rendered = string.Template(text).substitute(formatted)
-            except (KeyError, ValueError) as exc:
-                raise ToolError(
-                    f"{model_dir / 'config.pbtxt'}: template parameter {exc} is not declared in params.toml"
-                ) from None
-            (target / "config.pbtxt").write_text(rendered)
+            for template in [model_dir / "config.pbtxt", *sorted(model_dir.glob("1/*.yaml"))]:
+                try:
+                    rendered = string.Template(template.read_text()).substitute(formatted)
+                except (KeyError, ValueError) as exc:
+                    raise ToolError(f"{template}: template parameter {exc} is not declared in params.toml") from None
+                (target / template.relative_to(model_dir)).write_text(rendered)
         (target / "1").mkdir(exist_ok=True)
         models.append(model_dir.name)
     return models
+
+
+def copy_llmapi_code(source: Path, dest: Path) -> str:
+    """TensorRT-LLM's llmapi model.py and helpers.py (from the serving container's version)
+    into the rendered tensorrt_llm/1/."""
+    missing = [name for name in LLMAPI_CODE if not (source / name).is_file()]
+    if missing:
+        raise ToolError(
+            f"--llmapi-source {source}: no {', '.join(missing)} there (TensorRT-LLM's "
+            "triton_backend/all_models/llmapi/tensorrt_llm/1)"
+        )
+    for name in LLMAPI_CODE:
+        shutil.copy2(source / name, dest / "tensorrt_llm" / "1" / name)
+    return f"copied {', '.join(LLMAPI_CODE)} from {source}"
 
 
 def _replaceable(out: Path) -> bool:
@@ -316,17 +382,20 @@ def render(
     engine_dir: Path | None = None,
     force: bool = False,
     base: Path = MODEL_REPO,
+    llmapi_source: Path | None = None,
 ) -> RenderResult:
     settings = settings or {}
     sets = sets or {}
     if not profiles:
         profiles = [name for name in PROFILES if name in settings] or []
     if not profiles:
-        raise ToolError("no profile to render: pass --profile (local, trtllm, clip_trt) or give a settings table")
+        raise ToolError(f"no profile to render: pass --profile ({', '.join(PROFILES)}) or give a settings table")
     loaded = [Profile.load(name, base) for name in dict.fromkeys(profiles)]
     stray = sorted((set(settings) | set(sets)) - {p.name for p in loaded})
     if stray:
         raise ToolError(f"settings for profile(s) not being rendered: {', '.join(stray)}")
+    if llmapi_source is not None and "llmapi" not in {p.name for p in loaded}:
+        raise ToolError("--llmapi-source is for the llmapi profile, which is not being rendered")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise ToolError(f"{out} is not empty; pass --force to replace an earlier render")
@@ -343,6 +412,13 @@ def render(
             models += render_profile(profile, values, staging)
             if profile.name == "trtllm":
                 notes.append(_check_engine_if_present(values, engine_dir))
+            if profile.name == "llmapi":
+                notes.append(
+                    copy_llmapi_code(llmapi_source, staging)
+                    if llmapi_source is not None
+                    else f"tensorrt_llm/1 still needs {' and '.join(LLMAPI_CODE)} from the container's TensorRT-LLM "
+                    "(triton_backend/all_models/llmapi/tensorrt_llm/1): pass --llmapi-source"
+                )
         check_repo(staging)
         if out.exists():
             shutil.rmtree(out)

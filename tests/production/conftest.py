@@ -17,6 +17,7 @@ from gateway.deploy.render import render
 REQUIRED = {
     "trtllm": {"engine_dir": "/engines/gpt2-medium/fp16-tp1", "tokenizer_dir": "/engines/gpt2-medium/tokenizer"},
     "clip_trt": {"hf_model_dir": "/hf/clip-vit-base-patch32"},
+    "llmapi": {"model": "/hf/Llama-3.1-8B-Instruct"},
 }
 
 

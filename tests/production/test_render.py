@@ -7,11 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tritonclient.grpc import model_config_pb2
 from typer.testing import CliRunner
 
 from gateway.deploy import MODEL_REPO, ToolError
 from gateway.deploy.cli import app
-from gateway.deploy.render import PROFILES, Profile, check_repo, load_repo, parse_config, render
+from gateway.deploy.render import DERIVED, PROFILES, Profile, check_repo, load_repo, parse_config, render
 
 from .conftest import REQUIRED
 
@@ -36,9 +37,10 @@ def test_every_config_of_every_profile_parses(rendered: dict[str, Path]) -> None
 
 
 def test_rendered_repositories_pass_the_ensemble_checks(rendered: dict[str, Path]) -> None:
-    for repo in rendered.values():
+    for name, repo in rendered.items():
         configs = check_repo(repo)
-        assert any(c.platform == "ensemble" for c in configs.values())
+        # (llmapi is one python model: no ensemble.)
+        assert any(c.platform == "ensemble" for c in configs.values()) or name == "llmapi"
 
 
 def test_trtllm_llm_has_the_inputs_and_outputs_of_the_local_llm(rendered: dict[str, Path]) -> None:
@@ -74,11 +76,11 @@ def test_clip_towers_are_batched_tensorrt_plans(rendered: dict[str, Path]) -> No
 
 
 def test_every_placeholder_is_a_declared_parameter() -> None:
-    for name in ("trtllm", "clip_trt"):
+    for name in ("trtllm", "clip_trt", "llmapi"):
         profile = Profile.load(name)
-        assert profile.placeholders() <= set(profile.params)
-        # Only engine-check parameters may appear in no template.
-        assert set(profile.params) - profile.placeholders() <= {"tensor_parallel_size"}
+        assert profile.placeholders() <= set(profile.params) | set(DERIVED.get(name, ()))
+        # Only engine-check parameters, and those values are derived from, may appear in no template.
+        assert set(profile.params) - profile.placeholders() <= {"tensor_parallel_size", "cuda_graphs"}
 
 
 def test_settings_file_values_are_used_and_set_overrides_them(tmp_path: Path) -> None:
@@ -275,3 +277,154 @@ def test_the_local_engine_has_the_inputs_and_outputs_of_tensorrt_llm(rendered: d
         local = parse_config(MODEL_REPO / "local" / name / "config.pbtxt")
         assert _io(local) == _io(trtllm), name
         assert local.model_transaction_policy.decoupled is True
+
+
+# ---- the llmapi repository (TensorRT-LLM's PyTorch backend) ------------------------------
+
+# TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt (NVIDIA/TensorRT-LLM,
+# 2026): name -> (data type, dims, optional). Outputs are never optional.
+_S, _B, _I, _F, _U, _L = "TYPE_STRING", "TYPE_BOOL", "TYPE_INT32", "TYPE_FP32", "TYPE_UINT64", "TYPE_INT64"
+LLMAPI_INPUTS = {
+    "text_input": (_S, (-1,), False),
+    "image_url": (_S, (-1,), True),
+    "streaming": (_B, (1,), True),
+    "sampling_param_best_of": (_I, (1,), True),
+    "sampling_param_temperature": (_F, (1,), True),
+    "sampling_param_top_k": (_I, (1,), True),
+    "sampling_param_top_p": (_F, (1,), True),
+    "sampling_param_frequency_penalty": (_F, (1,), True),
+    "sampling_param_presence_penalty": (_F, (1,), True),
+    "sampling_param_max_tokens": (_I, (1,), True),
+    "sampling_param_stop": (_S, (-1,), True),
+    "sampling_param_seed": (_U, (1,), True),
+    "sampling_param_exclude_input_from_output": (_B, (1,), True),
+    "sampling_param_return_perf_metrics": (_B, (1,), True),
+    "return_finish_reason": (_B, (1,), True),
+    "return_stop_reason": (_B, (1,), True),
+    "return_cumulative_logprob": (_B, (1,), True),
+    "stop": (_B, (1,), True),
+    "lora_id": (_U, (1,), True),
+    "lora_name": (_S, (1,), True),
+    "lora_path": (_S, (1,), True),
+    "lora_ckpt_source": (_S, (1,), True),
+}
+LLMAPI_OUTPUTS = {
+    "text_output": (_S, (-1,)),
+    "finish_reason": (_S, (-1,)),
+    "stop_reason": (_S, (-1,)),
+    "cumulative_logprob": (_F, (-1,)),
+    "kv_cache_reused_block": (_I, (-1,)),
+    "kv_cache_missed_block": (_I, (-1,)),
+    "kv_cache_alloc_new_blocks": (_I, (-1,)),
+    "kv_cache_alloc_total_blocks": (_I, (-1,)),
+    "kv_cache_hit_rate": (_F, (-1,)),
+    "arrival_time_ns": (_L, (1,)),
+    "first_scheduled_time_ns": (_L, (1,)),
+    "first_token_time_ns": (_L, (1,)),
+    "last_token_time_ns": (_L, (1,)),
+    "acceptance_rate": (_F, (1,)),
+    "total_accepted_draft_tokens": (_I, (1,)),
+    "total_draft_tokens": (_I, (1,)),
+}
+
+
+def _model_yaml(repo: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
+
+
+def _type_name(value: int) -> str:
+    return model_config_pb2.DataType.Name(value)
+
+
+def test_llmapi_repository_has_the_layout_of_tensorrt_llm_s_llmapi_folder(rendered: dict[str, Path], tmp_path) -> None:
+    source = tmp_path / "trtllm-llmapi"
+    source.mkdir()
+    for name in ("model.py", "helpers.py"):
+        (source / name).write_text(f"# {name} of TensorRT-LLM\n")
+    out = tmp_path / "repo"
+    render(["llmapi"], out, settings={"llmapi": dict(REQUIRED["llmapi"])}, llmapi_source=source)
+    files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert files == {
+        "tensorrt_llm/config.pbtxt",
+        "tensorrt_llm/1/model.yaml",
+        "tensorrt_llm/1/model.py",
+        "tensorrt_llm/1/helpers.py",
+    }
+    without = {str(p.relative_to(rendered["llmapi"])) for p in rendered["llmapi"].rglob("*") if p.is_file()}
+    assert without == {"tensorrt_llm/config.pbtxt", "tensorrt_llm/1/model.yaml"}
+
+
+def test_llmapi_config_has_tensorrt_llm_s_inputs_and_outputs(rendered: dict[str, Path]) -> None:
+    config = parse_config(rendered["llmapi"] / "tensorrt_llm" / "config.pbtxt")
+    assert (config.name, config.backend) == ("tensorrt_llm", "python")
+    inputs = {t.name: (_type_name(t.data_type), tuple(t.dims), t.optional) for t in config.input}
+    outputs = {t.name: (_type_name(t.data_type), tuple(t.dims)) for t in config.output}
+    assert inputs == LLMAPI_INPUTS
+    assert outputs == LLMAPI_OUTPUTS
+    # As model.yaml's triton_config says (model.py applies it where auto-complete is on).
+    assert config.max_batch_size == 0
+    assert config.model_transaction_policy.decoupled is True
+
+
+def test_llmapi_model_yaml_holds_the_keys_model_py_reads(rendered: dict[str, Path]) -> None:
+    document = _model_yaml(rendered["llmapi"])
+    assert document["model"] == REQUIRED["llmapi"]["model"]
+    assert document["backend"] == "pytorch"
+    assert document["tensor_parallel_size"] == document["pipeline_parallel_size"] == 1
+    assert document["triton_config"] == {"max_batch_size": 0, "decoupled": True, "cancellation_check_period_ms": 100}
+    assert document["max_batch_size"] == 64
+    assert document["cuda_graph_config"] == {"enable_padding": True, "max_batch_size": 64}
+    assert document["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9, "enable_block_reuse": True}
+
+
+def test_llmapi_settings_reach_model_yaml(tmp_path: Path) -> None:
+    values = {
+        **REQUIRED["llmapi"],
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "max_batch_size": 16,
+        "decoupled_mode": False,
+        "cuda_graphs": False,
+    }
+    render(["llmapi"], tmp_path / "repo", settings={"llmapi": values})
+    document = _model_yaml(tmp_path / "repo")
+    assert (document["tensor_parallel_size"], document["pipeline_parallel_size"]) == (2, 2)
+    assert document["max_batch_size"] == 16
+    assert document["triton_config"]["decoupled"] is False
+    assert parse_config(tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").model_transaction_policy.decoupled is False
+    assert document["cuda_graph_config"] is None
+
+
+def test_llmapi_model_path_is_quoted_for_yaml(tmp_path: Path) -> None:
+    odd = '/hf/"odd" model\\dir: x'
+    render(["llmapi"], tmp_path / "repo", settings={"llmapi": {"model": odd}})
+    assert _model_yaml(tmp_path / "repo")["model"] == odd
+
+
+def test_llmapi_source_without_the_model_code_is_refused(tmp_path: Path) -> None:
+    args = ["render", "-p", "llmapi", "--set", "llmapi.model=/hf/m", "-o", str(tmp_path / "r")]
+    result = runner.invoke(app, [*args, "--llmapi-source", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "no model.py, helpers.py there" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_check_repo_refuses_an_llmapi_config_that_disagrees_with_model_yaml(
+    rendered: dict[str, Path], tmp_path: Path
+) -> None:
+    repo = tmp_path / "broken"
+    shutil.copytree(rendered["llmapi"], repo)
+    config = repo / "tensorrt_llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace("decoupled: true", "decoupled: false"))
+    with pytest.raises(ToolError, match="decoupled differs"):
+        check_repo(repo)
+
+
+def test_the_local_llmapi_stand_in_has_the_inputs_and_outputs_of_tensorrt_llm_s(rendered: dict[str, Path]) -> None:
+    real = parse_config(rendered["llmapi"] / "tensorrt_llm" / "config.pbtxt")
+    local = parse_config(MODEL_REPO / "local" / "llm_llmapi" / "config.pbtxt")
+    assert _io(local) == _io(real)
+    assert local.max_batch_size == 0
+    assert local.model_transaction_policy.decoupled is True

@@ -13,9 +13,23 @@ its Triton name, kind, inputs, embedding space, and how a running request is sto
     [[model]]
     name = "llm"
     kind = "llm"
-    mode = "engine"             # llm: engine (token ids, the gateway tokenizes) | ensemble (text)
+    mode = "engine"             # llm: engine | llmapi | ensemble (see below)
     triton_model = "llm_engine"
-    tokenizer = "$LLM_MODEL_DIR" # engine: the Hugging Face tokenizer directory Triton's preprocessing uses
+    tokenizer = "$LLM_MODEL_DIR" # engine, llmapi: the model's Hugging Face tokenizer directory
+
+    [[model]]
+    name = "llm"
+    kind = "llm"
+    mode = "llmapi"
+    triton_model = "tensorrt_llm"
+    tokenizer = "/models/Llama-3.1-8B-Instruct"
+
+The three LLM contracts (docs/deployment.md says which to choose):
+- engine: TensorRT-LLM's `tensorrt_llm` model on a prebuilt TensorRT engine (token ids in and
+  out): the gateway tokenizes and detokenizes.
+- llmapi: TensorRT-LLM's llmapi model (the PyTorch backend; text in and out): the gateway
+  sends text but still tokenizes, for admission, routing and usage.
+- ensemble: a text-in, text-out ensemble (tokenizing inside Triton); no usage counts.
 """
 
 from __future__ import annotations
@@ -44,9 +58,9 @@ class ModelSpec(BaseModel):
     space: str | None = None
     dimensions: int | None = None
     # llm
-    mode: Literal["engine", "ensemble"] = "ensemble"
+    mode: Literal["engine", "llmapi", "ensemble"] = "ensemble"
     stop_model: str | None = None
-    # A Hugging Face tokenizer directory ($VARS expanded): the engine path tokenizes with it;
+    # A Hugging Face tokenizer directory ($VARS expanded): engine and llmapi tokenize with it;
     # embedding models use it only to count usage.
     tokenizer: str | None = None
     max_input_tokens: int | None = None
@@ -56,8 +70,8 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _engine_needs_tokenizer(self) -> ModelSpec:
-        if self.kind == "llm" and self.mode == "engine" and not self.tokenizer:
-            raise ValueError(f"model {self.name}: engine mode needs a tokenizer directory")
+        if self.kind == "llm" and self.mode in ("engine", "llmapi") and not self.tokenizer:
+            raise ValueError(f"model {self.name}: {self.mode} mode needs a tokenizer directory")
         return self
 
 
@@ -67,6 +81,8 @@ LOCAL_PROFILE = [
     # The same engine through the text ensemble (tokenizing inside Triton), as clients of
     # Triton's own API call it; a stop request ends a running one.
     ModelSpec(name="llm_ensemble", kind="llm", mode="ensemble", triton_model="llm", stop_model="llm_engine"),
+    # The same model behind TensorRT-LLM's llmapi contract (text in and out), on a stand-in.
+    ModelSpec(name="llm_llmapi", kind="llm", mode="llmapi", tokenizer="$LLM_MODEL_DIR"),
     # Synthetic engines (no compute): a steady token stream for measuring the relay, and
     # an echo of the prompt for checking detokenization of any text.
     ModelSpec(name="llm_synthetic", kind="llm", mode="engine", tokenizer="$LLM_MODEL_DIR", context_length=8192),
@@ -116,6 +132,10 @@ def build_adapter(spec: ModelSpec) -> ModelAdapter:
         from gateway.server.models.llm_engine import EngineLlmAdapter
 
         return EngineLlmAdapter(spec, triton_model, tokenizer_dir=os.path.expandvars(spec.tokenizer or ""))
+    if spec.mode == "llmapi":
+        from gateway.server.models.llm_llmapi import LlmapiLlmAdapter
+
+        return LlmapiLlmAdapter(spec, triton_model, tokenizer_dir=os.path.expandvars(spec.tokenizer or ""))
     return EnsembleLlmAdapter(spec.name, triton_model, stop_model=spec.stop_model)
 
 

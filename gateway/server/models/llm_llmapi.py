@@ -1,0 +1,200 @@
+"""An LLM served by TensorRT-LLM's llmapi model on Triton (the PyTorch backend,
+triton_backend/all_models/llmapi/tensorrt_llm in NVIDIA/TensorRT-LLM, or the local stand-in
+llm_llmapi): text in, text out; the backend tokenizes itself.
+
+The gateway still tokenizes the prompt with the model's tokenizer (text_input, or chat
+messages rendered with its chat template): to refuse a prompt over the context before
+anything is queued (422 prompt_too_long), to route by the prompt's block keys, and to count
+usage (prompt tokens from the prompt, completion tokens from the text that came back). It
+sends the text as `text_input` with `sampling_param_*` inputs (max_tokens, stop strings,
+temperature, top_k, top_p, seed), `streaming`, and asks for finish_reason and stop_reason.
+
+In streaming mode each response of the real model carries the text so far (the LLM API's
+CompletionOutput.text); TEXT_SO_FAR says so, and the run turns it into exact deltas, so the
+pieces, joined, equal the final text. A trailing U+FFFD (an unfinished character) is held
+back until the end. Closing the gRPC stream cancels the generation (the model checks its
+requests' cancellation every cancellation_check_period_ms). A stop string ends the text
+before it: TensorRT-LLM leaves it out of the output. A run interrupted after sending text is
+not continued from it (the backend takes text, not the tokens it made); a greedy or seeded
+request runs again and skips the pieces already sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
+
+from gateway.protocol import Usage
+from gateway.server.llm.tokenizer import ChatTemplateError
+from gateway.server.models.base import InvalidInput, Piece, Resume, Run, check, tensor
+from gateway.server.models.inputs import LlmParameters
+from gateway.server.models.llm_engine import EngineInputs, EngineLlmAdapter, EngineRequest
+
+if TYPE_CHECKING:
+    from gateway.server.models.registry import ModelSpec
+
+# What a streamed text_output holds: True, the text so far (TensorRT-LLM's llmapi model.py
+# sends CompletionOutput.text); False, only the text new since the previous response.
+TEXT_SO_FAR = True
+_UNFINISHED = "\ufffd"
+
+
+@dataclass
+class LlmapiRequest(EngineRequest):
+    prompt_text: str = ""  # what is sent as text_input (the rendered chat, or the text)
+
+
+def _strings(result: InferResult, name: str) -> list[str]:
+    try:
+        array = result.as_numpy(name)
+    except Exception:  # an output this response does not carry
+        return []
+    if array is None:
+        return []
+    return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+
+
+def _vector(name: str, values: list[Any], dtype: Any, datatype: str) -> InferInput:
+    """A 1-D tensor: the llmapi model has no batch dimension (max_batch_size 0)."""
+    return tensor(name, np.array(values, dtype=dtype), datatype)
+
+
+class LlmapiRun(Run):
+    decoupled = True
+
+    def __init__(self, adapter: LlmapiLlmAdapter, prepared: LlmapiRequest, skip: int = 0) -> None:
+        self.triton_model = adapter.triton_model
+        self.adapter = adapter
+        self.prepared = prepared
+        self.text_so_far = adapter.text_so_far
+        self.received = ""  # the text the backend has sent, whole
+        self.emitted = ""  # the part of it given out as pieces
+        self.pieces = 0
+        self.skip = skip  # pieces an earlier run of this request already sent
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+    def inputs(self, stream: bool) -> list[InferInput]:
+        p = self.prepared
+        items = [
+            _vector("text_input", [p.prompt_text.encode("utf-8")], np.object_, "BYTES"),
+            _vector("streaming", [stream], np.bool_, "BOOL"),
+            _vector("sampling_param_max_tokens", [p.max_tokens], np.int32, "INT32"),
+            # The model's default (false) puts the prompt before the generated text.
+            _vector("sampling_param_exclude_input_from_output", [True], np.bool_, "BOOL"),
+            _vector("return_finish_reason", [True], np.bool_, "BOOL"),
+            _vector("return_stop_reason", [True], np.bool_, "BOOL"),
+        ]
+        if p.inputs.stop_words:
+            words = [w.encode("utf-8") for w in p.inputs.stop_words]
+            items.append(_vector("sampling_param_stop", words, np.object_, "BYTES"))
+        s = p.parameters
+        scalars = (
+            ("sampling_param_temperature", s.temperature, np.float32, "FP32"),
+            ("sampling_param_top_k", s.top_k, np.int32, "INT32"),
+            ("sampling_param_top_p", s.top_p, np.float32, "FP32"),
+            ("sampling_param_seed", s.seed, np.uint64, "UINT64"),
+        )
+        for name, value, dtype, datatype in scalars:
+            if value is not None:
+                items.append(_vector(name, [value], dtype, datatype))
+        return items
+
+    def outputs(self) -> list[InferRequestedOutput]:
+        return [InferRequestedOutput(name) for name in ("text_output", "finish_reason", "stop_reason")]
+
+    def take(self, result: InferResult) -> list[Piece]:
+        for name in ("finish_reason", "stop_reason"):
+            values = [v for v in _strings(result, name) if v and v != "None"]  # "None": str(None), not yet
+            if values:
+                setattr(self, name, values[0])
+        texts = _strings(result, "text_output")
+        if not texts:
+            return []
+        text = "".join(texts)
+        self.received = text if self.text_so_far else self.received + text
+        return self._advance(final=False)
+
+    def flush(self) -> list[Piece]:
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> list[Piece]:
+        """The text received beyond what was emitted, as a piece. Text sent is never taken
+        back: a backend text that no longer begins with it (which TensorRT-LLM's streaming
+        does not do) adds nothing more."""
+        if not self.received.startswith(self.emitted):
+            return []
+        new = self.received[len(self.emitted) :]
+        if not final:
+            new = new.rstrip(_UNFINISHED)
+        if not new:
+            return []
+        self.emitted += new
+        self.pieces += 1
+        return [Piece(new)] if self.pieces > self.skip else []
+
+    def final(self) -> tuple[dict[str, Any], Usage | None]:
+        p = self.prepared
+        text = self.emitted
+        completion = len(self.adapter.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids) if text else 0
+        reason = self.finish_reason or ("length" if completion >= p.max_tokens else "stop")
+        outputs: dict[str, Any] = {"text_output": text, "finish_reason": reason}
+        if self.stop_reason is not None:
+            outputs["stop_reason"] = self.stop_reason
+        return outputs, Usage(prompt_tokens=len(p.prompt_ids), completion_tokens=completion)
+
+    @property
+    def produced(self) -> bool:
+        return self.pieces > self.skip
+
+
+class LlmapiLlmAdapter(EngineLlmAdapter):
+    """The engine adapter's admission, chat rendering and routing keys; a text contract."""
+
+    resumable = False
+
+    def __init__(self, spec: ModelSpec, triton_model: str, *, tokenizer_dir: str, text_so_far: bool = TEXT_SO_FAR):
+        super().__init__(spec, triton_model, tokenizer_dir=tokenizer_dir)
+        self.text_so_far = text_so_far
+
+    def validate(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> LlmapiRequest:
+        prepared = check(EngineInputs, inputs, self.name, "invalid_inputs")
+        sampling = check(LlmParameters, parameters, self.name, "invalid_inputs")
+        # The llmapi model's inputs have no bad words and no repetition penalty.
+        if prepared.bad_words:
+            raise InvalidInput("invalid_inputs", f"{self.name}: bad_words is not supported by the llmapi contract")
+        if sampling.repetition_penalty is not None:
+            raise InvalidInput(
+                "invalid_inputs", f"{self.name}: repetition_penalty is not supported by the llmapi contract"
+            )
+        return self.prepare(prepared, sampling)
+
+    def prepare(self, inputs: EngineInputs, parameters: LlmParameters) -> LlmapiRequest:
+        if inputs.messages is not None:
+            try:
+                text = self.tokenizer.render_chat([m.model_dump() for m in inputs.messages])
+            except ChatTemplateError as exc:
+                raise InvalidInput("invalid_inputs", f"{self.name}: {exc}") from None
+        else:
+            text = inputs.text_input or ""
+        # The engine adapter's checks, on the text as it will be sent (already rendered).
+        rendered = EngineInputs.model_construct(text_input=text, max_tokens=inputs.max_tokens)
+        request = super().prepare(rendered, parameters)
+        values = {f.name: getattr(request, f.name) for f in fields(request)}
+        values["inputs"] = inputs
+        values["stop_ids"] = self.tokenizer.encode_words(inputs.stop_words)
+        return LlmapiRequest(**values, prompt_text=text)
+
+    def new_run(self, prepared: EngineRequest, resume: Resume | None = None) -> Run:
+        assert isinstance(prepared, LlmapiRequest)
+        return LlmapiRun(self, prepared, skip=resume.pieces if resume else 0)
+
+    def deterministic(self, prepared: EngineRequest) -> bool:
+        p = prepared.parameters
+        greedy = p.temperature == 0 or ((p.top_k or 0) <= 1 and not p.top_p)
+        return greedy or p.seed is not None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "mode": "llmapi"}
