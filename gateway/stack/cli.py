@@ -28,6 +28,9 @@ def up(
     clip_model: Annotated[
         str | None, typer.Option(help="HF id or directory (default openai/clip-vit-base-patch32)")
     ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="where the models run: auto (default: cuda when torch sees a GPU), cpu, cuda")
+    ] = None,
 ) -> None:
     """Start Triton, Redis, the MongoDB-wire server, the binder and the gateway; Ctrl-C stops them all."""
     overrides = {name: value for name, value in locals().items() if value is not None}

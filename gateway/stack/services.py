@@ -70,6 +70,101 @@ def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis") -> 
     )
 
 
+def redis_cluster_node_spec(
+    *, data_dir: Path, host: str, port: int, name: str, node_timeout_ms: int = 1000
+) -> ServiceSpec:
+    """One node of a Redis Cluster (cluster mode on, no slots yet: see form_redis_cluster).
+    Append-only file on, as for the single Redis; the node's cluster state lives in its
+    own directory (nodes.conf), so a node restarted there rejoins as what it was.
+    node_timeout_ms: how long a primary may be unreachable before its replica takes over."""
+    node_dir = make_private_dir(data_dir / name)
+    argv = [
+        redis_server_bin(),
+        "--bind",
+        host,
+        "--port",
+        str(port),
+        "--dir",
+        str(node_dir),
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        str(node_timeout_ms),
+        # A replica whose primary is down takes over however long it was cut off (the
+        # default, 10 x node timeout of lag, would keep a busy one from ever taking over).
+        "--cluster-replica-validity-factor",
+        "0",
+        # The other primaries' slots keep serving while one primary is down (each shard
+        # stands alone: no script spans two).
+        "--cluster-require-full-coverage",
+        "no",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--daemonize",
+        "no",
+    ]
+    return ServiceSpec(
+        name=name,
+        argv=argv,
+        log_file=data_dir / "logs" / f"{name}.log",
+        ports=[(port, "Redis Cluster node"), (port + 10000, "Redis Cluster bus")],
+        ready=lambda: _redis_ping(host, port),
+        url=f"redis://{host}:{port}",
+    )
+
+
+CLUSTER_SLOTS = 16384
+
+
+def form_redis_cluster(addresses: list[tuple[str, int]], *, replicas: int = 1, timeout_s: float = 60.0) -> None:
+    """Join fresh cluster nodes into one cluster: the first len/(1+replicas) become
+    primaries with equal ranges of the slots, each of the others a replica of one of
+    them (in turn). Returns once every node reports cluster_state:ok and sees every
+    replica attached, or raises LaunchError."""
+    import redis
+
+    from gateway.stack.process import wait_until
+
+    primaries_count = len(addresses) // (1 + replicas)
+    if primaries_count < 1 or len(addresses) != primaries_count * (1 + replicas):
+        raise LaunchError(f"{len(addresses)} nodes cannot form primaries with {replicas} replica(s) each")
+    clients = [redis.Redis(host=h, port=p, socket_timeout=5, decode_responses=True) for h, p in addresses]
+    try:
+        first_host, first_port = addresses[0]
+        for client in clients[1:]:
+            client.execute_command("CLUSTER MEET", first_host, first_port)
+        per = CLUSTER_SLOTS // primaries_count
+        for index, client in enumerate(clients[:primaries_count]):
+            end = CLUSTER_SLOTS if index == primaries_count - 1 else (index + 1) * per
+            client.execute_command("CLUSTER ADDSLOTS", *range(index * per, end))
+        ids = [client.execute_command("CLUSTER MYID") for client in clients]
+
+        def everyone_met() -> bool:
+            return all(len(c.execute_command("CLUSTER NODES")) == len(clients) for c in clients)  # {address: node}
+
+        if not wait_until(everyone_met, timeout_s):
+            raise LaunchError("the Redis Cluster nodes did not all meet in time")
+        for index, client in enumerate(clients[primaries_count:]):
+            client.execute_command("CLUSTER REPLICATE", ids[index % primaries_count])
+
+        def formed() -> bool:
+            states = [c.execute_command("CLUSTER INFO").get("cluster_state") for c in clients]
+            links = [c.info("replication").get("master_link_status") for c in clients[primaries_count:]]
+            return states == ["ok"] * len(clients) and links == ["up"] * len(links)
+
+        if not wait_until(formed, timeout_s):
+            raise LaunchError("the Redis Cluster did not reach cluster_state:ok in time")
+    finally:
+        for client in clients:
+            client.close()
+
+
 def _mongo_ping(url: str) -> bool:
     from pymongo import MongoClient
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -30,6 +31,8 @@ class StackSettings(BaseSettings):
     # weights, offline); or a Hugging Face id (gpt2-medium, ...) or directory.
     llm_model: str = "smollm2-135m-instruct"
     clip_model: str = "openai/clip-vit-base-patch32"
+    # Where Triton's models run (devices.py): auto is cuda when torch sees a GPU, else cpu.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # Try to download weights missing from the local Hugging Face cache.
     allow_downloads: bool = Field(default_factory=lambda: os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"))
     model_repo: Path = Field(default_factory=lambda: model_repo() / "local")

@@ -18,6 +18,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from gateway.stack import signals, weights
+from gateway.stack.devices import Device, place, resolve_device
 from gateway.stack.process import (
     TRITON_SHM_PREFIX,
     LaunchError,
@@ -39,9 +40,10 @@ from gateway.stack.triton import triton_spec
 _WEIGHT_ENV = {"LLM_MODEL_DIR": "llm", "CLIP_MODEL_DIR": "clip"}
 
 
-def prepare_model_repo(source: Path, target: Path, notes: dict[str, str]) -> Path:
-    """Copy the model repository and record in each model's config where its weights
-    come from (`weights` parameter, shown by Triton's /v2/models/<m>/config)."""
+def prepare_model_repo(source: Path, target: Path, notes: dict[str, str], device: Device = "cpu") -> Path:
+    """Copy the model repository, render each model's config for the device (devices.py)
+    and record in it where its weights come from (`weights` parameter, shown by Triton's
+    /v2/models/<m>/config)."""
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
@@ -51,6 +53,7 @@ def prepare_model_repo(source: Path, target: Path, notes: dict[str, str]) -> Pat
         for env_name, family in _WEIGHT_ENV.items():
             if env_name in model_dir:
                 config.parameters["weights"].string_value = notes[family]
+        place(config, device)
         config_path.write_text(text_format.MessageToString(config))
     make_private_tree(target)
     return target
@@ -81,6 +84,7 @@ class LocalStack:
         self.api_key_created = False
         self.processes: list[ManagedProcess] = []
         self.model_weights: dict[str, weights.Weights] = {}
+        self._device: Device | None = None
 
     # -- plan -------------------------------------------------------------------------
 
@@ -137,10 +141,18 @@ class LocalStack:
             "CLIP_MODEL_DIR": str(self.model_weights["clip"].path),
         }
 
+    @property
+    def device(self) -> Device:
+        """Where Triton's models run (STACK_DEVICE, auto resolved once)."""
+        if self._device is None:
+            self._device = resolve_device(self.settings.device)
+            self.log(f"   models on {self._device} (STACK_DEVICE={self.settings.device})")
+        return self._device
+
     def triton(self, name: str = "triton", *, http_port: int, grpc_port: int, metrics_port: int) -> ServiceSpec:
         env = self.weight_env()
         notes = {family: w.description for family, w in self.model_weights.items()}
-        repo = prepare_model_repo(self.settings.model_repo, self.data_dir / f"model_repo_{name}", notes)
+        repo = prepare_model_repo(self.settings.model_repo, self.data_dir / f"model_repo_{name}", notes, self.device)
         return triton_spec(
             name=name,
             model_repo=repo,
@@ -150,6 +162,7 @@ class LocalStack:
             grpc_port=grpc_port,
             metrics_port=metrics_port,
             extra_env=env,
+            device=self.device,
         )
 
     @property

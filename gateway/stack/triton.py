@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.stack.devices import Device
 from gateway.stack.process import TRITON_SHM_PREFIX, LaunchError, ServiceSpec, make_private_tree, new_owner
 
 
@@ -62,21 +63,23 @@ class TritonInstall:
             make_private_tree(target)
         return target
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, device: Device = "cpu") -> dict[str, str]:
         # The stub links the bundled libraries and libpython; it runs our models with
         # this environment's packages (numpy < 2, torch, transformers).
         lib_dirs = [str(self.libs), sysconfig.get_config_var("LIBDIR") or ""]
-        return {
+        env = {
             "LD_LIBRARY_PATH": ":".join(d for d in lib_dirs if d),
             # The stub's embedded interpreter ignores PYTHONPATH; it finds its prefix from
             # the first `python3` on PATH, so ours (a venv's) comes first.
             "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-            # Torch on CPU: let Triton's instances share the cores instead of each taking all.
-            "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
+        if device == "cpu":
+            # Torch on CPU: let Triton's instances share the cores instead of each taking all.
+            env["OMP_NUM_THREADS"] = "1"
+        return env
 
 
 def triton_spec(
@@ -89,6 +92,7 @@ def triton_spec(
     grpc_port: int,
     metrics_port: int,
     extra_env: dict[str, str] | None = None,
+    device: Device = "cpu",
 ) -> ServiceSpec:
     install = TritonInstall.find()
     # Its python backend's shared-memory regions carry this Triton's owner token, so the
@@ -118,7 +122,7 @@ def triton_spec(
         argv=argv,
         log_file=data_dir / "logs" / f"{name}.log",
         ports=[(http_port, "Triton HTTP"), (grpc_port, "Triton gRPC"), (metrics_port, "Triton metrics")],
-        env={**install.environment(), **(extra_env or {})},
+        env={**install.environment(device), **(extra_env or {})},
         ready=lambda: triton_models_ready(f"http://{host}:{http_port}"),
         url=f"grpc://{host}:{grpc_port}  http://{host}:{http_port}  metrics http://{host}:{metrics_port}/metrics",
         owner=owner,

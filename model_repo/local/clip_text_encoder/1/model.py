@@ -1,4 +1,7 @@
-"""CLIP text tower + projection on CPU; L2-normalised text embeddings."""
+"""CLIP text tower + projection; L2-normalised text embeddings (float32).
+
+On the CPU in float32, or on the GPU Triton gives the instance (KIND_GPU) in the config's
+dtype."""
 
 import json
 import os
@@ -9,18 +12,28 @@ import triton_python_backend_utils as pb_utils
 from transformers import CLIPTextModelWithProjection
 
 
+def placement(args, params) -> tuple[str, "torch.dtype"]:
+    """Where Triton placed this instance (KIND_GPU: its GPU) and the dtype the config asks for
+    (the launcher renders float16 for the GPU; float32 otherwise)."""
+    device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else "cpu"
+    return device, getattr(torch, params.get("dtype", {}).get("string_value", "float32"))
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = json.loads(args["model_config"]).get("parameters", {})
         model_dir = os.path.expandvars(params["model_dir"]["string_value"])
-        self.model = CLIPTextModelWithProjection.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.device, dtype = placement(args, params)
+        self.model = CLIPTextModelWithProjection.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
 
     def execute(self, requests):
         ids = [pb_utils.get_input_tensor_by_name(r, "input_ids").as_numpy() for r in requests]
         masks = [pb_utils.get_input_tensor_by_name(r, "attention_mask").as_numpy() for r in requests]
+        input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device)
+        attention_mask = torch.from_numpy(np.concatenate(masks)).to(self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=torch.from_numpy(np.concatenate(ids)), attention_mask=torch.from_numpy(np.concatenate(masks)))
-            embeds = torch.nn.functional.normalize(out.text_embeds, dim=-1).numpy()
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+            embeds = torch.nn.functional.normalize(out.text_embeds.float(), dim=-1).cpu().numpy()
         responses, start = [], 0
         for batch in ids:
             part = embeds[start : start + len(batch)]

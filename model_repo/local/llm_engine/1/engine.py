@@ -1,13 +1,17 @@
-"""The generation engine behind llm_engine: in-flight batching of several sequences, one
-token per sequence per step, with a block prefix KV cache.
+"""The generation engine behind llm_engine: in-flight batching with a block prefix KV cache.
 
-A scheduler thread admits waiting sequences up to `max_active`, runs the context phase
-(prefill, reusing cached prefix blocks) of newly admitted ones, then one decode step for
-every sequence in generation, and removes the ones that ended, were cancelled or stopped.
-Cancellation is seen within one step.
+A scheduler thread repeats one step:
+1. ends the sequences that were cancelled or stopped (so a cancel is seen within a step);
+2. admits waiting sequences while fewer than `max_active` run and the KV budget holds them,
+   and runs their context phase (prefill, reusing cached prefix blocks): one forward pass
+   for all the sequences admitted together, each getting its first token;
+3. runs ONE decode forward pass for every other sequence in generation, one token each;
+4. ends the ones that produced their end id, a stop word or their last token, and merges
+   the newly prefilled ones into the decode batch for the next step.
 
 Two compute backends share the scheduler and the cache:
-- HfBackend: a Hugging Face causal LM (torch); the KV of cached blocks is real.
+- HfBackend: a Hugging Face causal LM (torch, CPU or CUDA); the KV of cached blocks is real.
+  The sequences in generation share one padded KV cache (see HfBackend).
 - SyntheticBackend: no compute; prefill costs `prefill_us_per_token` for each token not
   served from the cache, a decode step `decode_us` for all sequences at once (as in-flight
   batching on a GPU), and the tokens are a seeded sequence of ordinary words ("words") or
@@ -16,7 +20,9 @@ Two compute backends share the scheduler and the cache:
 
 from __future__ import annotations
 
+import inspect
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -59,7 +65,7 @@ class Sequence:
     unsent: list[int] = field(default_factory=list)
     stop_requested: bool = False
     phase: str = "waiting"  # waiting, context, generation
-    state: Any = None  # the backend's (KV cache, sampling generator)
+    state: Any = None  # the backend's per-sequence state (its sampling generator)
     reused_blocks: int = 0
     prefilled: int = 0  # prompt tokens computed in the context phase (not from the cache)
 
@@ -69,12 +75,30 @@ class Sequence:
     def blocks(self, tokens_per_block: int) -> int:
         return -(-(len(self.prompt) + len(self.generated)) // tokens_per_block)
 
+    @property
+    def reserved(self) -> int:
+        """The tokens of KV this sequence holds at most: its prompt and every new token."""
+        return len(self.prompt) + self.sampling.max_new
+
 
 class Engine:
-    def __init__(self, backend: Any, cache: BlockCache, *, max_active: int, on_step: Callable[[Engine], None]) -> None:
+    """kv_tokens: the KV budget in tokens, shared by the running sequences (counted as the
+    padded batch they may grow to) and the prefix cache (which gives up blocks while they
+    need them); None: no budget (the synthetic backend holds no KV)."""
+
+    def __init__(
+        self,
+        backend: Any,
+        cache: BlockCache,
+        *,
+        max_active: int,
+        on_step: Callable[[Engine], None],
+        kv_tokens: int | None = None,
+    ) -> None:
         self.backend = backend
         self.cache = cache
         self.max_active = max_active
+        self.kv_tokens = kv_tokens
         self.on_step = on_step
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -119,41 +143,86 @@ class Engine:
                     self._cond.wait()
                 if not self._running:
                     return
+            self._end_stopped()  # (outside the lock: it sends responses)
+            with self._cond:
                 admitted = []
-                while self.waiting and len(self.active) < self.max_active:
+                while self.waiting and len(self.active) < self.max_active and self._fits(self.waiting[0]):
                     sequence = self.waiting.popleft()
                     sequence.phase = "context"
                     self.active.append(sequence)
                     admitted.append(sequence)
+            self._limit_prefix_cache()
             self.context_now = len(admitted)
             self.on_step(self)
             self._step(admitted)
             self.context_now = 0
             self.on_step(self)
 
-    def _step(self, admitted: list[Sequence]) -> None:
+    def _fits(self, sequence: Sequence) -> bool:
+        """Whether the batch with this sequence stays in the KV budget at its longest (every
+        row padded to the longest reservation). A sequence alone always runs."""
+        if self.kv_tokens is None or not self.active:
+            return True
+        width = max(s.reserved for s in [*self.active, sequence])
+        return (len(self.active) + 1) * width <= self.kv_tokens
+
+    def _limit_prefix_cache(self) -> None:
+        if self.kv_tokens is None:
+            return
+        width = max((s.reserved for s in self.active), default=0)
+        batch_blocks = -(-(len(self.active) * width) // self.cache.tokens_per_block)
+        self.cache.limit(self.cache.max_blocks - batch_blocks)
+
+    def _end_stopped(self) -> None:
         for sequence in list(self.active):
             if sequence.cancelled() or sequence.stop_requested:
                 self._end(sequence)
-        for sequence in [s for s in admitted if s in self.active]:
-            try:
-                token = self.backend.context(sequence, self.cache)
-            except Exception as exc:  # one bad request must not stop the others
-                self._fail(sequence, exc)
-                continue
-            sequence.phase = "generation"
-            self.prefilled_total += sequence.prefilled
-            self._take(sequence, token)
-        decoding = [s for s in self.active if s.phase == "generation" and s not in admitted]
+
+    def _step(self, admitted: list[Sequence]) -> None:
+        fresh = []
+        for sequence in admitted:
+            if sequence.cancelled() or sequence.stop_requested:
+                self._end(sequence)  # cancelled while it waited: it ends with no tokens
+            else:
+                fresh.append(sequence)
+        if fresh:
+            for sequence, result in zip(fresh, self._context(fresh), strict=True):
+                if isinstance(result, Exception):
+                    self._fail(sequence, result)
+                    continue
+                sequence.phase = "generation"
+                self.prefilled_total += sequence.prefilled
+                self._take(sequence, result)
+        decoding = [s for s in self.active if s.phase == "generation" and s not in fresh]
         if decoding:
             try:
                 tokens = self.backend.decode(decoding)
             except Exception as exc:
                 for sequence in decoding:
                     self._fail(sequence, exc)
-                return
-            for sequence, token in zip(decoding, tokens, strict=True):
-                self._take(sequence, token)
+            else:
+                for sequence, token in zip(decoding, tokens, strict=True):
+                    self._take(sequence, token)
+        # Frees the KV of the sequences that ended; the fresh ones join the decode batch.
+        generating = [s for s in self.active if s.phase == "generation"]
+        try:
+            self.backend.retain(generating)
+        except Exception as exc:  # (out of memory merging them, say): they cannot go on
+            for sequence in generating:
+                self._fail(sequence, exc)
+            self.backend.retain([])
+
+    def _context(self, sequences: list[Sequence]) -> list[int | Exception]:
+        """The first token of each sequence; a sequence that fails alone fails alone."""
+        try:
+            return list(self.backend.context(sequences, self.cache))
+        except Exception as exc:  # one bad request must not stop the others
+            if len(sequences) == 1:
+                return [exc]
+        results: list[int | Exception] = []
+        for sequence in sequences:
+            results.extend(self._context([sequence]))
+        return results
 
     def _take(self, sequence: Sequence, token: int) -> None:
         if token == sequence.sampling.end_id:
@@ -172,7 +241,7 @@ class Engine:
             self.active.remove(sequence)
         tokens = sequence.generated if not sequence.streaming else sequence.unsent
         sequence.unsent = []
-        sequence.state = None  # free the KV of a finished sequence at once
+        sequence.state = None
         try:
             sequence.send(tokens, True)
         except Exception:
@@ -191,6 +260,71 @@ class Engine:
             pass
 
 
+# -- sizing ---------------------------------------------------------------------------------
+
+CPU_MAX_ACTIVE = 8
+CPU_KV_MEMORY = 1 << 30  # 1 GiB of KV on a CPU
+CUDA_MAX_ACTIVE = 256
+CUDA_KV_FRACTION = 0.8  # of the GPU memory free once the model is loaded
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '2GiB', '1.5G' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a size in bytes: {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_active: int
+    kv_blocks: int  # the KV budget, in blocks of tokens_per_block tokens
+
+
+def size_limits(
+    *,
+    device: str,
+    kv_bytes_per_token: int,
+    tokens_per_block: int,
+    context_length: int,
+    max_active: str = "auto",
+    kv_memory: str = "auto",
+    kv_blocks: str = "auto",
+    free_memory: int | None = None,
+) -> Limits:
+    """The in-flight batch's limits from the config's parameters; `auto` sizes them from the
+    device. CUDA: the KV budget is CUDA_KV_FRACTION of the free GPU memory (`free_memory`,
+    measured after loading the model), and as many sequences as that holds at
+    min(context, 4096) tokens each, up to CUDA_MAX_ACTIVE. CPU: CPU_KV_MEMORY, CPU_MAX_ACTIVE.
+    A number of kv_blocks overrides kv_memory."""
+    if kv_blocks != "auto":
+        blocks = int(kv_blocks)
+    else:
+        if kv_memory != "auto":
+            memory = parse_bytes(kv_memory)
+        elif device.startswith("cuda"):
+            if free_memory is None:
+                raise ValueError("free_memory is needed to size the KV budget on CUDA")
+            memory = int(free_memory * CUDA_KV_FRACTION)
+        else:
+            memory = CPU_KV_MEMORY
+        blocks = memory // (kv_bytes_per_token * tokens_per_block)
+    if blocks < 1:
+        raise ValueError(f"the KV budget holds no block of {tokens_per_block} tokens")
+    if max_active != "auto":
+        active = int(max_active)
+    elif device.startswith("cuda"):
+        per_sequence = min(context_length, 4096)
+        active = max(1, min(CUDA_MAX_ACTIVE, blocks * tokens_per_block // per_sequence))
+    else:
+        active = CPU_MAX_ACTIVE
+    if active < 1:
+        raise ValueError("max_active_requests must be at least 1")
+    return Limits(max_active=active, kv_blocks=blocks)
+
+
 # -- compute backends -----------------------------------------------------------------------
 
 
@@ -207,8 +341,32 @@ class ContextWindow:
         return min(max_new, self.context_length - len(prompt))
 
 
+@dataclass
+class _Rows:
+    """Sequences and their KV in one padded cache: row i holds its `lengths[i]` tokens in
+    the last columns of every layer's [rows, heads, width, head_dim] keys and values
+    (left padding, masked out)."""
+
+    sequences: list[Sequence]
+    cache: Any  # a transformers DynamicCache
+    lengths: list[int]
+
+    @property
+    def width(self) -> int:
+        return int(self.cache.layers[0].keys.shape[-2])
+
+
 class HfBackend(ContextWindow):
-    """A Hugging Face causal LM; each sequence keeps its own KV cache (DynamicCache)."""
+    """A Hugging Face causal LM with in-flight batching.
+
+    The sequences in generation share one KV cache (a DynamicCache of [rows, heads, width,
+    head_dim] tensors), each row's tokens right-aligned, so one decode step is one forward
+    pass of all rows: an attention mask hides each row's left padding and explicit position
+    ids give each row its own positions. Newly admitted sequences are prefilled together in
+    one forward (their cached prefix blocks as past, their suffixes right-padded), then
+    right-aligned and merged into the batch; ended ones are dropped from it, and columns no
+    row uses any more are cut. Not for models with sliding-window attention (their masks
+    count positions by cache column)."""
 
     def __init__(self, model_dir: str, *, device: str = "cpu", dtype: str = "float32") -> None:
         import torch
@@ -221,85 +379,272 @@ class HfBackend(ContextWindow):
         self.context_length = int(
             getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 2048
         )
+        # Only the last position's logits are needed (5.x causal LMs take logits_to_keep).
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.batch: _Rows | None = None  # the sequences in generation
+        self.pending: _Rows | None = None  # prefilled this step, merged into the batch by retain()
+        self.forward_passes = 0
+        self.kv_bytes_per_token = self._measure_kv_bytes()
 
-    def context(self, sequence: Sequence, cache: BlockCache) -> int:
+    def _measure_kv_bytes(self) -> int:
+        """Bytes of KV one token takes, from a one-token forward (also a warm-up)."""
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=True)
+        return sum(
+            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+            for layer in out.past_key_values.layers
+        )
+
+    def _forward(self, **inputs: Any) -> Any:
+        self.forward_passes += 1
+        if self._logits_to_keep:
+            inputs.setdefault("logits_to_keep", 1)
+        return self.model(use_cache=True, **inputs)
+
+    # Every tensor of the backend is made in inference mode (no autograd; in-place updates allowed).
+
+    def context(self, sequences: list[Sequence], cache: BlockCache) -> list[int]:
+        """Prefill `sequences` in one forward pass; their first tokens. Each reuses the
+        longest run of its prompt's whole blocks found in `cache` and computes the rest."""
+        with self.torch.inference_mode():
+            return self._context(sequences, cache)
+
+    def decode(self, sequences: list[Sequence]) -> list[int]:
+        """One forward pass: the next token of every sequence (all in the batch)."""
+        with self.torch.inference_mode():
+            return self._decode(sequences)
+
+    def retain(self, sequences: list[Sequence]) -> None:
+        """Keep the KV of these sequences only; the ones prefilled this step join the batch."""
+        with self.torch.inference_mode():
+            self._keep(sequences, merge=True)
+
+    # -- context phase ----------------------------------------------------------------
+
+    def _context(self, sequences: list[Sequence], cache: BlockCache) -> list[int]:
         from transformers import DynamicCache
 
         torch = self.torch
         tpb = cache.tokens_per_block
-        keys = block_keys(sequence.prompt, tpb)
-        # Keep at least one prompt token to prefill: its logits give the first token.
-        usable = keys[: (len(sequence.prompt) - 1) // tpb]
-        blocks = cache.match(usable)
-        sequence.reused_blocks = len(blocks)
-        reused = len(blocks) * tpb
-        sequence.prefilled = len(sequence.prompt) - reused
+        keys = [block_keys(s.prompt, tpb) for s in sequences]
+        found = []
+        for sequence, prompt_keys in zip(sequences, keys, strict=True):
+            # Keep at least one prompt token to prefill: its logits give the first token.
+            blocks = cache.match(prompt_keys[: (len(sequence.prompt) - 1) // tpb])
+            sequence.reused_blocks = len(blocks)
+            sequence.prefilled = len(sequence.prompt) - len(blocks) * tpb
+            found.append(blocks)
+        reused = [len(blocks) * tpb for blocks in found]
+        suffixes = [s.prompt[r:] for s, r in zip(sequences, reused, strict=True)]
+        n, past_width, width = len(sequences), max(reused), max(len(x) for x in suffixes)
+        # Row i: [padding | its cached prefix] as past, then [its suffix | padding] as input.
         past = None
-        if blocks:
-            layers = len(blocks[0])
-            data = [
-                (torch.cat([b[i][0] for b in blocks], dim=2), torch.cat([b[i][1] for b in blocks], dim=2))
-                for i in range(layers)
-            ]
+        if past_width:
+            layers = range(len(next(blocks for blocks in found if blocks)[0]))
+            data = [(self._past(found, past_width, i, 0), self._past(found, past_width, i, 1)) for i in layers]
             past = DynamicCache(data, config=self.model.config)
-        with torch.inference_mode():
-            ids = torch.tensor([sequence.prompt[reused:]], device=self.device)
-            out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-        cache_now = out.past_key_values
-        fresh = []
-        for index in range(len(blocks), len(keys)):
-            start, end = index * tpb, (index + 1) * tpb
-            fresh.append(
-                tuple(
-                    (layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone())
-                    for layer in cache_now.layers
-                )
+        ids = torch.tensor([x + [x[-1]] * (width - len(x)) for x in suffixes], device=self.device)
+        starts = [past_width - r for r in reused]  # each row's first column
+        columns = torch.arange(past_width + width, device=self.device)
+        first = torch.tensor(starts, device=self.device)[:, None]
+        ends = torch.tensor([past_width + len(x) for x in suffixes], device=self.device)[:, None]
+        mask = ((columns >= first) & (columns < ends)).long()
+        # Padding repeats the last position, which keeps learned position tables in range.
+        positions = torch.tensor(
+            [[r + min(j, len(x) - 1) for j in range(width)] for r, x in zip(reused, suffixes, strict=True)],
+            device=self.device,
+        )
+        last = [len(x) - 1 for x in suffixes]
+        keep = sorted(set(last))
+        inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        if self._logits_to_keep:
+            inputs["logits_to_keep"] = 1 if keep == [width - 1] else torch.tensor(keep, device=self.device)
+        out = self._forward(past_key_values=past, **inputs)
+        logits = out.logits  # [n, positions kept, vocab]
+        if logits.shape[1] == width:  # every position (or a width of 1)
+            picked = last
+        elif logits.shape[1] == 1:  # the last one
+            picked = [0] * n
+        else:  # the positions in `keep`
+            picked = [keep.index(i) for i in last]
+        rows = logits[torch.arange(n, device=self.device), torch.tensor(picked, device=self.device)]
+        lengths = [len(s.prompt) for s in sequences]
+        prefilled = self._right_align(out.past_key_values, starts, lengths)
+        for row, (sequence, prompt_keys, blocks) in enumerate(zip(sequences, keys, found, strict=True)):
+            offset = prefilled.width - lengths[row]
+            fresh = []
+            for index in range(len(blocks), len(prompt_keys)):
+                cut = (slice(row, row + 1), slice(None), slice(offset + index * tpb, offset + (index + 1) * tpb))
+                layers = prefilled.cache.layers
+                fresh.append(tuple((layer.keys[cut].clone(), layer.values[cut].clone()) for layer in layers))
+            cache.insert(prompt_keys[len(blocks) :], fresh)
+            sequence.state = torch.Generator(device=self.device).manual_seed(sequence.sampling.seed)
+        prefilled.sequences = list(sequences)
+        self.pending = prefilled if self.pending is None else self._concat(self.pending, prefilled)
+        return self._sample(rows, sequences)
+
+    def _past(self, found: list[list[Any]], width: int, layer: int, kind: int) -> Any:
+        """One layer's keys (kind 0) or values (1) of the rows' cached blocks, [rows, heads,
+        width, head_dim], each row's blocks in its last columns, zeros before them."""
+        sample = next(blocks for blocks in found if blocks)[0][layer][kind]
+        tensor = sample.new_zeros((len(found), sample.shape[1], width, sample.shape[3]))
+        for row, blocks in enumerate(found):
+            if blocks:
+                tokens = len(blocks) * sample.shape[2]
+                tensor[row, :, width - tokens :] = self.torch.cat([block[layer][kind][0] for block in blocks], dim=1)
+        return tensor
+
+    def _right_align(self, cache: Any, starts: list[int], lengths: list[int]) -> _Rows:
+        """Rows whose tokens start at column starts[i] and run lengths[i] columns, moved so
+        that each row's tokens end at the last column (one gather per tensor)."""
+        torch = self.torch
+        width = max(lengths)
+        total = int(cache.layers[0].keys.shape[-2])
+        if all(start == total - width for start in starts) and all(length == width for length in lengths):
+            for layer in cache.layers:  # already aligned: cut the common padding
+                layer.keys, layer.values = layer.keys[:, :, total - width :], layer.values[:, :, total - width :]
+            return _Rows([], cache, lengths)
+        # Column t of row i takes source column starts[i] + t - (width - lengths[i]);
+        # columns before the row's tokens take column 0 (masked out).
+        target = torch.arange(width, device=self.device)[None, :]
+        shift = torch.tensor([s - (width - n) for s, n in zip(starts, lengths, strict=True)], device=self.device)
+        source = (target + shift[:, None]).clamp(min=0)
+        for layer in cache.layers:
+            index = source[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        return _Rows([], cache, lengths)
+
+    # -- generation phase -------------------------------------------------------------
+
+    def _decode(self, sequences: list[Sequence]) -> list[int]:
+        torch = self.torch
+        self._keep(sequences, merge=False)
+        batch = self.batch
+        if batch is None or len(batch.sequences) != len(sequences):
+            raise RuntimeError("decode of sequences that are not in the batch")
+        width = batch.width
+        lengths = torch.tensor(batch.lengths, device=self.device)
+        ids = torch.tensor([[s.generated[-1]] for s in batch.sequences], device=self.device)
+        columns = torch.arange(width + 1, device=self.device)[None, :]
+        mask = (columns >= (width - lengths)[:, None]).long()
+        out = self._forward(
+            input_ids=ids, attention_mask=mask, position_ids=lengths[:, None], past_key_values=batch.cache
+        )
+        batch.cache = out.past_key_values
+        batch.lengths = [n + 1 for n in batch.lengths]
+        tokens = self._sample(out.logits[:, -1], batch.sequences)
+        by_sequence = dict(zip(map(id, batch.sequences), tokens, strict=True))
+        return [by_sequence[id(s)] for s in sequences]
+
+    def _keep(self, sequences: list[Sequence], *, merge: bool) -> None:
+        wanted = {id(s) for s in sequences}
+        parts = [self._select(self.batch, wanted)]
+        if merge:
+            parts.append(self._select(self.pending, wanted))
+            self.pending = None
+        rows = [part for part in parts if part is not None]
+        if not rows:
+            self.batch = None
+        elif len(rows) == 1:
+            self.batch = rows[0]
+        else:
+            self.batch = self._concat(rows[0], rows[1])
+
+    def _select(self, rows: _Rows | None, wanted: set[int]) -> _Rows | None:
+        """The rows of these sequences, cut to the width the longest of them needs."""
+        if rows is None:
+            return None
+        keep = [i for i, s in enumerate(rows.sequences) if id(s) in wanted]
+        if not keep:
+            return None
+        width, needed = rows.width, max(rows.lengths[i] for i in keep)
+        if len(keep) == len(rows.sequences) and needed == width:
+            return rows
+        index = self.torch.tensor(keep, device=self.device)
+        for layer in rows.cache.layers:
+            layer.keys = layer.keys[:, :, width - needed :].index_select(0, index)
+            layer.values = layer.values[:, :, width - needed :].index_select(0, index)
+        return _Rows([rows.sequences[i] for i in keep], rows.cache, [rows.lengths[i] for i in keep])
+
+    def _concat(self, first: _Rows, second: _Rows) -> _Rows:
+        """Both sets of rows in one cache, the narrower padded on the left."""
+        functional = self.torch.nn.functional
+        width = max(first.width, second.width)
+        for mine, theirs in zip(first.cache.layers, second.cache.layers, strict=True):
+            pad_mine, pad_theirs = (0, 0, width - first.width, 0), (0, 0, width - second.width, 0)
+            mine.keys = self.torch.cat([functional.pad(mine.keys, pad_mine), functional.pad(theirs.keys, pad_theirs)])
+            mine.values = self.torch.cat(
+                [functional.pad(mine.values, pad_mine), functional.pad(theirs.values, pad_theirs)]
             )
-        cache.insert(keys[len(blocks) :], fresh)
-        generator = torch.Generator(device=self.device).manual_seed(sequence.sampling.seed)
-        sequence.state = (cache_now, generator)
-        return self._sample(out.logits[0, -1], sequence)
+        return _Rows(first.sequences + second.sequences, first.cache, first.lengths + second.lengths)
 
-    def decode(self, sequences: list[Sequence]) -> list[int]:
-        torch = self.torch
-        tokens = []
-        with torch.inference_mode():
-            for sequence in sequences:
-                past, _ = sequence.state
-                ids = torch.tensor([[sequence.generated[-1]]], device=self.device)
-                out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-                sequence.state = (out.past_key_values, sequence.state[1])
-                tokens.append(self._sample(out.logits[0, -1], sequence))
-        return tokens
+    # -- sampling ---------------------------------------------------------------------
 
-    def _sample(self, logits: Any, sequence: Sequence) -> int:
+    def _sample(self, logits: Any, sequences: list[Sequence]) -> list[int]:
+        """The next token of each row of `logits` [rows, vocab], with each sequence's own
+        sampling settings and generator (one host transfer for the whole batch)."""
         torch = self.torch
-        s = sequence.sampling
-        logits = logits.float().clone()
-        context = sequence.prompt + sequence.generated
-        if s.repetition_penalty != 1.0 and context:
-            seen = torch.tensor(sorted(set(context)), device=logits.device)
-            values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / s.repetition_penalty, values * s.repetition_penalty)
-        generated = sequence.generated
-        for word in s.bad_words:
-            if len(word) == 1 or generated[-(len(word) - 1) :] == word[:-1]:
-                logits[word[-1]] = float("-inf")
-        if s.greedy:
-            return int(torch.argmax(logits))
-        logits = logits / s.temperature
-        if s.top_k > 1:
-            kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
+        logits = logits.float()  # (changed in place: a copy of the model's output, or a view of it)
+        self._penalize(logits, sequences)
+        chosen = torch.argmax(logits, dim=-1)
+        sampled = [i for i, s in enumerate(sequences) if not s.sampling.greedy]
+        if sampled:
+            probs = self._probabilities(logits[sampled], [sequences[i].sampling for i in sampled])
+            for j, i in enumerate(sampled):
+                chosen[i] = torch.multinomial(probs[j], 1, generator=sequences[i].state)[0]
+        return [int(t) for t in chosen.tolist()]
+
+    def _penalize(self, logits: Any, sequences: list[Sequence]) -> None:
+        """Repetition penalty on the tokens seen so far, and bad words (-inf), per row."""
+        torch = self.torch
+        rows = [i for i, s in enumerate(sequences) if s.sampling.repetition_penalty != 1.0]
+        if rows:
+            seen = [sorted(set(sequences[i].prompt + sequences[i].generated)) for i in rows]
+            longest = max(len(ids) for ids in seen)
+            # Short rows repeat their first id: gather and scatter of a repeated id agree.
+            index = torch.tensor([ids + [ids[0]] * (longest - len(ids)) for ids in seen], device=logits.device)
+            penalty = torch.tensor(
+                [[sequences[i].sampling.repetition_penalty] for i in rows], device=logits.device, dtype=logits.dtype
+            )
+            row_index = torch.tensor(rows, device=logits.device)
+            part = logits.index_select(0, row_index)
+            values = part.gather(1, index)
+            part.scatter_(1, index, torch.where(values > 0, values / penalty, values * penalty))
+            logits.index_copy_(0, row_index, part)
+        banned_rows, banned_tokens = [], []
+        for i, sequence in enumerate(sequences):
+            generated = sequence.generated
+            for word in sequence.sampling.bad_words:
+                if len(word) == 1 or generated[-(len(word) - 1) :] == word[:-1]:
+                    banned_rows.append(i)
+                    banned_tokens.append(word[-1])
+        if banned_rows:
+            logits[banned_rows, banned_tokens] = float("-inf")
+
+    def _probabilities(self, logits: Any, settings: list[Sampling]) -> Any:
+        """Temperature, then top-k, softmax, top-p (each row with its own values)."""
+        torch = self.torch
+        device = logits.device
+        logits = logits / torch.tensor([[s.temperature] for s in settings], device=device, dtype=logits.dtype)
+        ks = [min(s.top_k, logits.shape[-1]) if s.top_k > 1 else 0 for s in settings]
+        if any(ks):
+            top = torch.topk(logits, max(ks), dim=-1).values
+            kth = top.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=device))
+            kth[torch.tensor([k == 0 for k in ks], device=device)] = float("-inf")
             logits[logits < kth] = float("-inf")
         probs = torch.softmax(logits, dim=-1)
-        if 0 < s.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < s.top_p
-            mask = torch.zeros_like(probs, dtype=torch.bool)
-            mask[order[keep]] = True
-            probs = torch.where(mask, probs, torch.zeros_like(probs))
-            probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=sequence.state[1]))
+        nucleus = [i for i, s in enumerate(settings) if 0 < s.top_p < 1]
+        if nucleus:
+            part = probs[nucleus]
+            sorted_probs, order = torch.sort(part, descending=True)
+            top_p = torch.tensor([[settings[i].top_p] for i in nucleus], device=device, dtype=part.dtype)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+            mask = torch.zeros_like(part, dtype=torch.bool).scatter_(1, order, keep)
+            part = torch.where(mask, part, torch.zeros_like(part))
+            probs[nucleus] = part / part.sum(dim=-1, keepdim=True)
+        return probs
 
 
 class SyntheticBackend(ContextWindow):
@@ -316,16 +661,19 @@ class SyntheticBackend(ContextWindow):
         self.context_length = context_length
         self._next_decode = 0.0
 
-    def context(self, sequence: Sequence, cache: BlockCache) -> int:
+    def context(self, sequences: list[Sequence], cache: BlockCache) -> list[int]:
         tpb = cache.tokens_per_block
-        keys = block_keys(sequence.prompt, tpb)
-        blocks = cache.match(keys[: (len(sequence.prompt) - 1) // tpb])
-        sequence.reused_blocks = len(blocks)
-        cache.insert(keys[len(blocks) :], [None] * (len(keys) - len(blocks)))
-        sequence.prefilled = len(sequence.prompt) - len(blocks) * tpb
-        time.sleep(sequence.prefilled * self.prefill_s_per_token)
-        sequence.state = random.Random(hash((sequence.sampling.seed, tuple(sequence.prompt[-8:]))))
-        return self._next(sequence)
+        tokens = []
+        for sequence in sequences:
+            keys = block_keys(sequence.prompt, tpb)
+            blocks = cache.match(keys[: (len(sequence.prompt) - 1) // tpb])
+            sequence.reused_blocks = len(blocks)
+            cache.insert(keys[len(blocks) :], [None] * (len(keys) - len(blocks)))
+            sequence.prefilled = len(sequence.prompt) - len(blocks) * tpb
+            time.sleep(sequence.prefilled * self.prefill_s_per_token)
+            sequence.state = random.Random(hash((sequence.sampling.seed, tuple(sequence.prompt[-8:]))))
+            tokens.append(self._next(sequence))
+        return tokens
 
     def decode(self, sequences: list[Sequence]) -> list[int]:
         # One step for all sequences, paced to decode_us (a GPU step of in-flight batching).
@@ -333,6 +681,9 @@ class SyntheticBackend(ContextWindow):
         self._next_decode = max(self._next_decode + self.decode_s, now)
         time.sleep(max(0.0, self._next_decode - now))
         return [self._next(s) for s in sequences]
+
+    def retain(self, sequences: list[Sequence]) -> None:
+        pass  # no KV to free
 
     def _next(self, sequence: Sequence) -> int:
         if self.echo:  # the prompt again, token by token, then the end

@@ -3,7 +3,11 @@
 A prompt is split into blocks of `tokens_per_block` tokens; each whole block is keyed by
 the hash chain of all tokens up to its end, so a key names a prefix, not just a block.
 A request reuses the longest cached run of whole blocks from its start and prefills
-only the rest. Blocks are evicted least recently used first when the cache is full."""
+only the rest. Blocks are evicted least recently used first when the cache is full.
+
+`max_blocks` is the KV budget of the engine in blocks (what the metrics report as `max`);
+the engine may lower the cache's `capacity` below it while running sequences need the
+memory, as TensorRT-LLM reuses only blocks that are free."""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class BlockCache:
     def __init__(self, tokens_per_block: int, max_blocks: int) -> None:
         self.tokens_per_block = tokens_per_block
         self.max_blocks = max_blocks
+        self.capacity = max_blocks  # blocks this cache may hold now
         self._blocks: OrderedDict[bytes, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.reused_total = 0  # blocks served from the cache, ever
@@ -57,8 +62,18 @@ class BlockCache:
                     self._blocks.move_to_end(key)
                     continue
                 self._blocks[key] = payload
-                while len(self._blocks) > self.max_blocks:
-                    self._blocks.popitem(last=False)
+            self._evict()
+
+    def limit(self, capacity: int) -> None:
+        """Hold at most `capacity` blocks from now on (at most max_blocks), evicting the
+        least recently used."""
+        with self._lock:
+            self.capacity = max(0, min(capacity, self.max_blocks))
+            self._evict()
+
+    def _evict(self) -> None:
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._blocks)

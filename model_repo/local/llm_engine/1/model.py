@@ -1,16 +1,18 @@
-"""llm_engine: a CPU stand-in for TensorRT-LLM's `tensorrt_llm` model, with exactly its
+"""llm_engine: a CPU or CUDA stand-in for TensorRT-LLM's `tensorrt_llm` model, with exactly its
 inputs and outputs (model_repo/trtllm/trtllm_tensorrt_llm/config.pbtxt).
 
 Token ids in, token ids out; decoupled (streaming sends each new token as it is made,
-as TensorRT-LLM does); several requests generate at once (engine.py); a cancelled
+as TensorRT-LLM does); in-flight batching: the running requests advance one token each
+per forward pass, new ones join between steps (engine.py); a cancelled
 request, or a `stop` request with its id, ends within one step; a block prefix KV cache
 (kv_blocks.py) reuses whole prompt blocks across requests. It reports TensorRT-LLM's
 metric families (nv_trt_llm_kv_cache_block_metrics, nv_trt_llm_request_metrics) through
 the python backend's custom-metrics API, so the gateway reads both profiles alike.
 
-Parameters (config.pbtxt): model_dir, engine (hf | synthetic), tokens_per_block,
-kv_cache_max_blocks, max_active_requests, and for the synthetic engine
-prefill_us_per_token, decode_us, context_length."""
+Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype,
+tokens_per_block, max_active_requests, kv_cache_memory, kv_cache_max_blocks (the last
+three `auto`: sized from the device, see engine.size_limits), and for the synthetic
+engine prefill_us_per_token, decode_us, context_length."""
 
 import json
 import os
@@ -21,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine import Engine, HfBackend, Sampling, Sequence, SyntheticBackend  # noqa: E402
+from engine import Engine, HfBackend, Limits, Sampling, Sequence, SyntheticBackend, size_limits  # noqa: E402
 from kv_blocks import BlockCache  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -60,6 +62,9 @@ class TritonPythonModel:
         model_dir = os.path.expandvars(params.get("model_dir", ""))
         kind = params.get("engine", "hf")
         tokens_per_block = int(params.get("tokens_per_block", "32"))
+        max_active = params.get("max_active_requests", "auto")
+        kv_blocks = params.get("kv_cache_max_blocks", "auto")
+        kv_tokens = None
         if kind == "synthetic":
             backend = SyntheticBackend(
                 self._word_tokens(model_dir),
@@ -69,21 +74,46 @@ class TritonPythonModel:
                 echo=params.get("synthetic_output", "words") == "echo",
             )
             self.default_end_id = -1
+            # No KV, so no memory budget: the blocks only model what a prefix cache would hold.
+            limits = Limits(
+                max_active=8 if max_active == "auto" else int(max_active),
+                kv_blocks=2048 if kv_blocks == "auto" else int(kv_blocks),
+            )
         else:
+            import torch
+
             device = params.get("device", "auto")
             if device == "auto":
-                import torch
-
                 device = "cuda" if torch.cuda.is_available() else "cpu"
-            dtype = "float16" if device == "cuda" else "float32"
+            dtype = params.get("dtype", "auto")
+            if dtype == "auto":
+                dtype = "float16" if device.startswith("cuda") else "float32"
             backend = HfBackend(model_dir, device=device, dtype=dtype)
             eos = getattr(backend.model.generation_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
             self.default_end_id = int(eos) if eos is not None else -1
-        self.cache = BlockCache(tokens_per_block, int(params.get("kv_cache_max_blocks", "2048")))
-        self.max_active = int(params.get("max_active_requests", "8"))
+            limits = size_limits(
+                device=device,
+                kv_bytes_per_token=backend.kv_bytes_per_token,
+                tokens_per_block=tokens_per_block,
+                context_length=backend.context_length,
+                max_active=max_active,
+                kv_memory=params.get("kv_cache_memory", "auto"),
+                kv_blocks=kv_blocks,
+                free_memory=torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else None,
+            )
+            kv_tokens = limits.kv_blocks * tokens_per_block
+            pb_utils.Logger.log_info(
+                f"{self.model_name}: {device} {dtype}, up to {limits.max_active} sequences at once, KV budget "
+                f"{limits.kv_blocks} blocks of {tokens_per_block} tokens "
+                f"({kv_tokens * backend.kv_bytes_per_token / 2**20:.0f} MiB)"
+            )
+        self.cache = BlockCache(tokens_per_block, limits.kv_blocks)
+        self.max_active = limits.max_active
         self._metrics()
-        self.engine = Engine(backend, self.cache, max_active=self.max_active, on_step=self._report)
+        self.engine = Engine(
+            backend, self.cache, max_active=self.max_active, on_step=self._report, kv_tokens=kv_tokens
+        )
         if params.get("weights", "").startswith("DEMO"):
             pb_utils.Logger.log_warn(f"{self.model_name}: {params['weights']} ({model_dir})")
 

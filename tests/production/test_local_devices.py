@@ -1,0 +1,120 @@
+"""The local stack's model repository rendered for its device (STACK_DEVICE): CPU as
+written, CUDA with the embedding towers on the GPU. Rendered and parsed, no GPU needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tritonclient.grpc import model_config_pb2
+
+from gateway.deploy import MODEL_REPO
+from gateway.deploy.render import check_repo, load_repo
+from gateway.stack import devices
+from gateway.stack.process import LaunchError
+from gateway.stack.settings import StackSettings
+from gateway.stack.stack import prepare_model_repo
+from gateway.stack.triton import TritonInstall
+
+KIND_CPU = model_config_pb2.ModelInstanceGroup.KIND_CPU
+KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
+NOTES = {"llm": "tiny gpt2 (test)", "clip": "tiny clip (test)"}
+TOWERS = {"text_embed", "clip_vision", "clip_text_encoder"}
+
+
+def _render(tmp_path: Path, device: devices.Device) -> dict[str, model_config_pb2.ModelConfig]:
+    repo = prepare_model_repo(MODEL_REPO / "local", tmp_path / f"repo-{device}", NOTES, device)
+    return check_repo(repo)
+
+
+def _as_written(config: model_config_pb2.ModelConfig) -> model_config_pb2.ModelConfig:
+    """The config without what the launcher adds to every one: its weights note, and the
+    device of a model that places itself (the LLM engines' `device` parameter)."""
+    copy = model_config_pb2.ModelConfig()
+    copy.CopyFrom(config)
+    for key in ("weights", "device"):
+        if key in copy.parameters:
+            del copy.parameters[key]
+    return copy
+
+
+def _placing_themselves(configs: dict[str, model_config_pb2.ModelConfig]) -> set[str]:
+    return {name for name, config in configs.items() if "device" in config.parameters}
+
+
+def test_on_cpu_every_model_is_as_written(tmp_path: Path) -> None:
+    source = load_repo(MODEL_REPO / "local")
+    rendered = _render(tmp_path, "cpu")
+    assert set(rendered) == set(source)
+    for name, config in rendered.items():
+        assert _as_written(config) == _as_written(source[name]), name
+        assert all(group.kind != KIND_GPU for group in config.instance_group)
+    assert "llm_engine" in _placing_themselves(source)
+    for name in _placing_themselves(source):
+        assert rendered[name].parameters["device"].string_value == "cpu"
+
+
+def test_on_cuda_the_embedding_towers_run_on_the_gpu_in_fp16_with_larger_batches(tmp_path: Path) -> None:
+    source = load_repo(MODEL_REPO / "local")
+    rendered = _render(tmp_path, "cuda")
+    for name in TOWERS:
+        config, batching = rendered[name], devices.GPU_MODELS[name]
+        assert [(g.kind, g.count) for g in config.instance_group] == [(KIND_GPU, 1)]
+        assert config.parameters["dtype"].string_value == "float16"
+        assert config.max_batch_size == batching.max_batch_size > source[name].max_batch_size
+        assert list(config.dynamic_batching.preferred_batch_size) == list(batching.preferred_batch_sizes)
+        assert max(config.dynamic_batching.preferred_batch_size) <= config.max_batch_size
+        assert config.dynamic_batching.max_queue_delay_microseconds < 2000
+        # Inputs, outputs and weights are the same models'.
+        assert list(config.input) == list(source[name].input)
+        assert list(config.output) == list(source[name].output)
+        assert config.parameters["model_dir"] == source[name].parameters["model_dir"]
+
+
+def test_on_cuda_the_llm_engine_uses_cuda_and_the_cpu_steps_stay_on_the_cpu(tmp_path: Path) -> None:
+    source = load_repo(MODEL_REPO / "local")
+    rendered = _render(tmp_path, "cuda")
+    for name in _placing_themselves(source):
+        assert rendered[name].parameters["device"].string_value == "cuda"
+    for name, config in rendered.items():
+        if name not in TOWERS:
+            assert _as_written(config) == _as_written(source[name]), name
+
+
+def test_every_ensemble_step_takes_the_ensembles_batches_on_either_device(tmp_path: Path) -> None:
+    for device in ("cpu", "cuda"):
+        rendered = _render(tmp_path, device)
+        for config in rendered.values():
+            if config.platform != "ensemble":
+                continue
+            for step in config.ensemble_scheduling.step:
+                assert rendered[step.model_name].max_batch_size >= config.max_batch_size, (device, step.model_name)
+
+
+def test_the_one_thread_cap_is_for_the_cpu_only() -> None:
+    install = TritonInstall.find()
+    assert install.environment("cpu")["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in install.environment("cuda")
+
+
+def test_stack_device_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert StackSettings().device == "auto"
+    monkeypatch.setenv("STACK_DEVICE", "cuda")
+    assert StackSettings().device == "cuda"
+    monkeypatch.setenv("STACK_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="device"):
+        StackSettings()
+
+
+def test_auto_is_cuda_only_where_torch_sees_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.resolve_device("auto") == "cpu"
+    assert devices.resolve_device("cpu") == "cpu"
+    with pytest.raises(LaunchError, match="sees no GPU"):
+        devices.resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.resolve_device("auto") == "cuda"
+    assert devices.resolve_device("cuda") == "cuda"
+    assert devices.resolve_device("cpu") == "cpu"
