@@ -24,14 +24,15 @@ from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, supervise
 from gateway.protocol import ResultRecord
 from gateway.server.api import admin, events, operations, results, search, submit
-from gateway.server.api.errors import install_error_handlers
-from gateway.server.api.limits import RequestLimitsMiddleware
-from gateway.server.api.request_id import RequestIdMiddleware, current_trace_id
-from gateway.server.api.tenancy import Caller, CallerHeaders, caller
+from gateway.server.api.edge import Edge
+from gateway.server.api.errors import ErrorRenderer, install_error_handlers
+from gateway.server.api.hot import HotRoutes
+from gateway.server.api.request_id import current_trace_id
+from gateway.server.api.tenancy import Caller, caller
 from gateway.server.dispatch.dispatcher import Dispatcher
 from gateway.server.dispatch.runner import Runner
 from gateway.server.dispatch.sweeper import Sweeper
-from gateway.server.metrics import GatewayMetrics, HttpMetricsMiddleware
+from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.openai import batches, chat, embeddings, files, responses
 from gateway.server.openai.batch_runner import BatchRunner
@@ -115,7 +116,7 @@ def add_private_docs(app: FastAPI) -> None:
         return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
 
-def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings | None = None) -> Edge:
     settings = settings or GatewaySettings()
     configure_logging(settings.log_level, settings.log_format)
     metrics = GatewayMetrics()
@@ -127,6 +128,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             cluster_nodes=settings.redis_cluster_nodes,
             timeout_s=settings.redis_timeout_s,
             max_connections=settings.redis_max_connections,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
         )
         redis = clients.main
         timeout_ms = int(settings.mongo_timeout_s * 1000)
@@ -146,6 +149,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             live_state_ttl_s=settings.live_state_ttl_s,
             idempotency_ttl_s=settings.idempotency_ttl_s,
             lease_ms=settings.claim_idle_ms,
+            replication=clients,
         )
         pool = ReplicaPool(
             # With DNS discovery the replicas come from the name alone.
@@ -155,7 +159,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             probe_timeout_s=settings.probe_timeout_s,
         )
         notifier = CompletionNotifier(clients)
-        hub = EventHub(redis, clients.reader)
+        hub = EventHub(clients.unblocker(), clients.reader)
         binders = BinderClient(settings.binder_urls, http)
         side_tasks: set[asyncio.Task[None]] = set()
 
@@ -188,7 +192,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             max_queued=settings.tenant_max_queued,
         )
         tenants = TenantStore(mongo, settings.mongo_db, defaults)
-        quotas = Quotas(settings.redis_url)
+        quotas = Quotas(settings.redis_url, settings.redis_cluster_nodes)
         usage = UsageLedger(redis)
         dispatcher = Dispatcher(
             redis=clients,
@@ -279,27 +283,26 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         docs_url=None if private_docs else "/docs",
         openapi_url=None if private_docs else "/openapi.json",
     )
-    app.add_middleware(CallerHeaders)
-    app.add_middleware(
-        RequestLimitsMiddleware,
-        max_bytes=settings.max_body_bytes,
-        body_timeout_s=settings.body_timeout_s,
-        # An upload's multipart framing adds a little to the file itself.
-        uploads={"/v1/files": (settings.max_file_bytes + (1 << 20), max(settings.body_timeout_s, 600.0))},
-    )
-    # Outermost (added last): every response, refusals included, is counted and carries
-    # X-Request-ID, and every line logged for the call has its trace_id.
-    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
-    app.add_middleware(RequestIdMiddleware)
-    install_error_handlers(
-        app,
+    errors = ErrorRenderer(
         on_reject=lambda code: metrics.rejected.labels(code).inc(),
         retry_after_s=settings.retry_after_s,
         renderers={"/v1/": openai_error},  # OpenAI's error body under /v1
     )
+    install_error_handlers(app, errors)
     for module in (submit, results, events, search, operations, admin, chat, embeddings, responses, files, batches):
         app.include_router(module.router)
     app.include_router(ui_router)  # the browser page at /ui (its API calls need a key; the page does not)
     if private_docs:
         add_private_docs(app)
-    return app
+    # Every call crosses one middleware: ids, limits, metrics, the caller's headers, and
+    # the hot routes served without FastAPI's routing (gateway.server.api.edge).
+    return Edge(
+        app,
+        metrics=metrics,
+        errors=errors,
+        max_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        # An upload's multipart framing adds a little to the file itself.
+        uploads={"/v1/files": (settings.max_file_bytes + (1 << 20), max(settings.body_timeout_s, 600.0))},
+        hot=HotRoutes(lambda: app.state.services, errors),
+    )

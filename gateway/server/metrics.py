@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import re
-import time
-from collections.abc import Iterable, Iterator
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -74,57 +68,3 @@ class GatewayMetrics:
             ["tenant", "kind"],
             registry=r,
         )
-
-
-UNMATCHED_ROUTE = "unmatched"
-_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-
-
-def _templates(routes: Iterable[Any]) -> Iterator[tuple[re.Pattern[str], str]]:
-    """(path regex, template) of every route, through FastAPI's included routers."""
-    for route in routes:
-        if hasattr(route, "effective_route_contexts"):  # an included router (FastAPI >= 0.16x)
-            yield from _templates(route.effective_route_contexts())
-        elif getattr(route, "path_regex", None) is not None and getattr(route, "path_format", None):
-            yield route.path_regex, route.path_format
-
-
-class HttpMetricsMiddleware:
-    """Counts every HTTP request by route template, method and status, and times it."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-        self._routes: list[tuple[re.Pattern[str], str]] | None = None
-
-    def route_template(self, scope: Scope) -> str:
-        """The template of the route that handled the request ("/results/{request_id}").
-        A request refused before routing (413 on its Content-Length) is matched here; one
-        that matches no route is "unmatched", so scanners cannot add series."""
-        template = getattr(scope.get("route"), "path_format", None)
-        if template:
-            return template
-        if self._routes is None:
-            self._routes = list(_templates(getattr(scope.get("app"), "routes", ())))
-        return next((t for regex, t in self._routes if regex.match(scope["path"])), UNMATCHED_ROUTE)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500  # what the client gets if the app raises before answering
-
-        async def timed_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, timed_send)
-        finally:
-            route = self.route_template(scope)
-            method = scope["method"] if scope["method"] in _METHODS else "other"
-            self.metrics.http_requests.labels(route, method, str(status)).inc()
-            self.metrics.http_latency.labels(route, method).observe(time.perf_counter() - started)

@@ -7,14 +7,13 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from gateway.protocol import State, valid_request_id
 from gateway.protocol.http import CancelResponse
 from gateway.server.api.errors import ApiError
-from gateway.server.api.submit import outcome_response
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.services import services
+from gateway.server.services import Services, services
 
 router = APIRouter()
 
@@ -41,13 +40,17 @@ async def get_result(
         float | None, Query(ge=0, le=86400, description="Hold up to N s; answer the moment it ends")
     ] = None,
 ) -> Any:
-    svc = services(request)
+    return await result_response(services(request), who, request_id, wait)
+
+
+async def result_response(svc: Services, who: Caller, request_id: str, wait: float | None) -> Response:
+    """The answer to GET /results/<id> (FastAPI's route and the hot route both call it)."""
     known_id(request_id)
     if wait:
-        outcome = await svc.results.wait(request_id, min(wait, svc.settings.max_wait_s), who.scope)
+        _, body, _ = await svc.results.wait_json(request_id, min(wait, svc.settings.max_wait_s), who.scope)
     else:
-        outcome = await svc.results.get(request_id, who.scope)
-    return outcome_response(outcome)
+        _, body, _ = await svc.results.get_json(request_id, who.scope)
+    return Response(body, media_type="application/json")
 
 
 @router.post(

@@ -9,22 +9,15 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from gateway.protocol import ResultRecord, State
-from gateway.protocol.http import Accepted, InferRequest, LiveStatus, result_urls
+from gateway.protocol import State
+from gateway.protocol.http import Accepted, InferRequest, result_urls
 from gateway.server.api.events import SSE_HEADERS, sse_events
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.results.reader import is_final
 from gateway.server.services import Services, services
 
 router = APIRouter()
 
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d{1,6}(?:\.\d{1,6})?)", re.IGNORECASE)
-
-
-def outcome_response(
-    outcome: ResultRecord | LiveStatus, status: int = 200, headers: dict[str, str] | None = None
-) -> Response:
-    return Response(outcome.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
 
 
 def location(request_id: str) -> dict[str, str]:
@@ -70,7 +63,18 @@ async def infer(
     With `Accept: text/event-stream` the answer is the request's event stream (as from
     /results/{id}/events), saving a round trip before the first token; the request is
     queued durably first, and `Location` names it for resuming."""
-    svc = services(request)
+    return await infer_response(services(request), who, body, idempotency_key, prefer, accept)
+
+
+async def infer_response(
+    svc: Services,
+    who: Caller,
+    body: InferRequest,
+    idempotency_key: str | None,
+    prefer: str | None,
+    accept: str | None,
+) -> Response:
+    """The answer to POST /infer (FastAPI's route and the hot route both call it)."""
     submission = await svc.submitter.submit(who, body, idempotency_key=idempotency_key)
     request_id = submission.request_id
     wait = prefer_wait(prefer, svc.settings.max_wait_s)
@@ -89,8 +93,8 @@ async def infer(
 
 async def answer(svc: Services, who: Caller, request_id: str, wait: float | None) -> Response:
     """200 with the result if it has ended (within wait), else 202 with the state."""
-    outcome = await svc.results.wait(request_id, wait or 0, who.scope)
-    if is_final(outcome):
+    final, body, status = await svc.results.wait_json(request_id, wait or 0, who.scope)
+    if final:
         headers = {**location(request_id), **({"Preference-Applied": f"wait={wait:g}"} if wait else {})}
-        return outcome_response(outcome, 200, headers)
-    return accepted(request_id, outcome.status)
+        return Response(body, status_code=200, headers=headers, media_type="application/json")
+    return accepted(request_id, status)

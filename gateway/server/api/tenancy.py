@@ -5,8 +5,9 @@ is 401. With AUTH_ENABLED=false every caller is the default tenant (local tools 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocol.records import DEFAULT_TENANT
 from gateway.server.api.errors import ApiError
@@ -14,32 +15,36 @@ from gateway.server.tenants.caller import Caller
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
-__all__ = ["Caller", "CallerHeaders", "admin", "bearer", "caller"]
+__all__ = ["Caller", "admin", "bearer", "caller", "identify"]
+
+if TYPE_CHECKING:
+    from gateway.server.services import Services
 
 
-def bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header."""
+    scheme, _, token = (authorization or "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def identify(svc: Services, authorization: str | None) -> Caller:
+    """Who makes a call with this Authorization header (ApiError 401 when nobody)."""
+    if not svc.settings.auth_enabled:
+        return Caller(role="admin", config=await svc.tenants.get(DEFAULT_TENANT))
+    token = bearer(authorization)
+    if token is None:
+        raise ApiError(401, "missing_api_key", "send your API key as `Authorization: Bearer <key>`", headers=_CHALLENGE)
+    info = await svc.keys.verify(token)
+    if info is None:
+        raise ApiError(401, "invalid_api_key", "the API key is not valid (unknown or revoked)", headers=_CHALLENGE)
+    return Caller(tenant=info.tenant, role=info.role, key_id=info.key_id, config=await svc.tenants.get(info.tenant))
 
 
 async def caller(request: Request) -> Caller:
     from gateway.server.services import services
 
-    svc = services(request)
-    if not svc.settings.auth_enabled:
-        who = Caller(role="admin", config=await svc.tenants.get(DEFAULT_TENANT))
-    else:
-        token = bearer(request)
-        if token is None:
-            raise ApiError(
-                401, "missing_api_key", "send your API key as `Authorization: Bearer <key>`", headers=_CHALLENGE
-            )
-        info = await svc.keys.verify(token)
-        if info is None:
-            raise ApiError(401, "invalid_api_key", "the API key is not valid (unknown or revoked)", headers=_CHALLENGE)
-        who = Caller(tenant=info.tenant, role=info.role, key_id=info.key_id, config=await svc.tenants.get(info.tenant))
-    request.state.caller = who
+    who = await identify(services(request), request.headers.get("authorization"))
+    request.state.caller = who  # the edge adds the headers its calls leave (x-ratelimit-*)
     return who
 
 
@@ -48,27 +53,3 @@ async def admin(request: Request) -> Caller:
     if who.role != "admin":
         raise ApiError(403, "admin_only", "this call needs an admin key")
     return who
-
-
-class CallerHeaders:
-    """Adds the headers calls made for the caller left (x-ratelimit-*) to its response."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                who = scope.get("state", {}).get("caller")
-                if who is not None and who.headers:
-                    message["headers"] = [
-                        *message.get("headers", []),
-                        *((k.encode(), v.encode()) for k, v in who.headers.items()),
-                    ]
-            await send(message)
-
-        await self.app(scope, receive, with_headers)

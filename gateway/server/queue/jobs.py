@@ -3,11 +3,21 @@
 submit -> (its tenant's queue) -> take [attempt n] -> emit* -> finish, with cancel and
 expiry from outside, leases renewed while a run lives, and reclaim / hand-over putting a
 running request back at the front of the line. A run holds its attempt number (its
-fence) from start to finish."""
+fence) from start to finish.
+
+Durability across a failover (REDIS_WAIT_REPLICAS): SUBMIT and FINISH (whose record
+feeds the binders) are followed by WAIT on the same connection. A submission that fewer
+replicas confirmed in time is refused (NotReplicated, 503 `not_replicated`): it reached
+the primary only, and a failover now would lose it. Its request stays where it is (and
+runs, if the primary lives on): resent with the same Idempotency-Key it is found again,
+not queued twice. A finish that was not confirmed is logged: nothing waits on its answer
+(a failover that loses it leaves the run to be reclaimed and finished again, and the
+binder stores a request once)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -16,7 +26,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
+from gateway.common.redis import NotReplicated, RedisClients
 from gateway.protocol import (
     TERMINAL_EVENT,
     ErrorInfo,
@@ -32,10 +44,15 @@ from gateway.protocol import (
 from gateway.protocol.redis_keys import CANCEL_CHANNEL, DONE_CHANNEL, Shard, all_shards, shard_for_tenant, shard_of
 from gateway.server.queue import scripts
 
+log = logging.getLogger(__name__)
+
 # The `running` event of a request started by SUBMIT itself (its first attempt).
 RUNNING_FIRST = json.dumps({"attempt": 1, "restarted": False, "resume_from": 0})
+_TERMINAL_EVENTS = frozenset(e.value for e in TERMINAL_EVENT.values())
 # How long a dispatcher's last TAKE is remembered (a replay after a lost reply).
 TAKE_TOKEN_TTL_S = 60
+# Finishes no replica confirmed are logged at most this often.
+UNREPLICATED_LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -183,8 +200,11 @@ class JobStore:
         live_state_ttl_s: int,
         idempotency_ttl_s: int,
         lease_ms: int = 15_000,
+        replication: RedisClients | None = None,
     ) -> None:
+        """replication: the clients whose wait_replicas (if any) SUBMIT and FINISH wait for."""
         self.redis = redis
+        self.replication = replication
         self.shards = all_shards(shards)
         self.live_state_ttl_s = live_state_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
@@ -200,6 +220,15 @@ class JobStore:
         self._handover = redis.register_script(scripts.HANDOVER)
         self._finish = redis.register_script(scripts.FINISH)
         self._cancel = redis.register_script(scripts.CANCEL)
+        self.unreplicated_finishes = 0  # finishes no replica confirmed in time
+        self._unreplicated_logged_at = 0.0
+
+    async def _replicated(self, script: AsyncScript, keys: list[str], args: list[Any]) -> tuple[Any, int]:
+        """The script's reply and how many replicas it still lacks (0: none asked or all there)."""
+        if self.replication is None or not self.replication.wait_replicas:
+            return await script(keys=keys, args=args), 0
+        reply, acked = await self.replication.replicated(script, keys, args)
+        return reply, max(0, self.replication.wait_replicas - (acked or 0))
 
     def shard_for(self, tenant: str) -> Shard:
         return self.shards[shard_for_tenant(tenant, len(self.shards))]
@@ -260,14 +289,29 @@ class JobStore:
                 idem[0] if idem else "",
                 json.dumps({"id": new.request_id, "hash": idem[1]}) if idem else "",
             ]
-        reply = await self._submit(keys=[shard.request(requests[0].request_id)], args=args)
+        reply, missing = await self._replicated(self._submit, [shard.request(requests[0].request_id)], args)
         outcome = reply[0]
+        if missing and outcome in ("accepted", "started"):
+            await self._not_replicated(requests, start_as if outcome == "started" else "", missing)
         if outcome == "existing":
             found = [json.loads(value) for value in reply[1:]]
             return Submitted("existing", existing=[(f["id"], f["hash"]) for f in found])
         if outcome == "full":
             return Submitted("full", reason=reply[1], count=int(reply[2] or 0))
         return Submitted(outcome)
+
+    async def _not_replicated(self, requests: list[NewRequest], started_for: str, missing: int) -> None:
+        """Refuse a submission that too few replicas confirmed; one SUBMIT started for this
+        process goes to the front of the line for any dispatcher (nobody here will run it)."""
+        ids = [new.request_id for new in requests]
+        if started_for:
+            try:
+                await self.handover(started_for, ids)
+            except Exception as exc:  # its lease runs out instead
+                log.warning("handing on unreplicated %s failed: %s", ids[0], exc)
+        assert self.replication is not None
+        wanted, timeout_ms = self.replication.wait_replicas, self.replication.wait_timeout_ms
+        raise NotReplicated(wanted - missing, wanted, timeout_ms, ids)
 
     async def take(self, shard: Shard, model: str, consumer: str, *, light_only: bool = False) -> Job | str:
         """Start the next request of `model` in the shard for this consumer: the Job, or
@@ -293,6 +337,20 @@ class JobStore:
     async def load(self, request_id: str) -> Job | None:
         h = await self.redis.hgetall(shard_of(request_id).request(request_id))
         return Job.from_hash(request_id, h) if h else None
+
+    async def load_with_end(self, request_id: str) -> tuple[Job | None, str | None]:
+        """The job and, if it has ended, its terminal record (JSON), in one round trip."""
+        shard = shard_of(request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(shard.request(request_id))
+            pipe.xrevrange(shard.events(request_id), count=1)
+            h, last = await pipe.execute()
+        if not h:
+            return None, None
+        end = None
+        if last and last[0][1].get("event") in _TERMINAL_EVENTS:
+            end = last[0][1].get("data")
+        return Job.from_hash(request_id, h), end
 
     async def final_record(self, request_id: str) -> str | None:
         """The terminal record of an ended request, from its event stream (the last event)."""
@@ -350,9 +408,10 @@ class JobStore:
         data = record.model_dump_json()
         finished = record.finished_at.timestamp() if record.finished_at else time.time()
         shard = shard_of(record.request_id)
-        reply = await self._finish(
-            keys=[shard.request(record.request_id)],
-            args=[
+        reply, missing = await self._replicated(
+            self._finish,
+            [shard.request(record.request_id)],
+            [
                 shard.prefix,
                 record.request_id,
                 record.status.value,
@@ -371,9 +430,22 @@ class JobStore:
             return int(reply[1])
         if int(reply[0]) != 1:
             return None
+        if missing:
+            self._finish_not_replicated(record.request_id)
         for hook in self.on_ended:
             hook(record)
         return data
+
+    def _finish_not_replicated(self, request_id: str) -> None:
+        self.unreplicated_finishes += 1
+        if time.monotonic() - self._unreplicated_logged_at >= UNREPLICATED_LOG_EVERY_S:
+            self._unreplicated_logged_at = time.monotonic()
+            log.warning(
+                "the finish of %s reached its primary but no replica confirmed it in time "
+                "(%d such finishes so far); a failover now could lose it",
+                request_id,
+                self.unreplicated_finishes,
+            )
 
     async def cancel(self, request_id: str) -> State | None:
         """Cancel: a queued request ends now; a running one is asked to stop (the flag is

@@ -6,11 +6,12 @@ tenant's request reads as unknown (404), so existence does not leak."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import UTC, datetime
 
 from gateway.common.result_store import ResultStore
-from gateway.protocol import ResultRecord, request_id_time, utc
+from gateway.protocol import ResultRecord, State, request_id_time, utc
 from gateway.protocol.http import LiveStatus, result_urls
 from gateway.server.api.errors import ApiError
 from gateway.server.queue.jobs import Job, JobStore
@@ -97,6 +98,34 @@ class ResultReader:
         except TimeoutError:
             return None
         return ResultRecord.model_validate_json(record) if record else None
+
+    async def get_json(self, request_id: str, tenant: str | None = None) -> tuple[bool, str, State]:
+        """As get(), as JSON: (ended, the record's or live state's JSON, state). The record
+        of a request that ended is passed on as Redis holds it, never parsed again."""
+        job, end = await self.jobs.load_with_end(request_id)
+        if job is not None and (tenant is None or job.tenant == tenant):
+            if not job.state.terminal:
+                return False, live_status(job).model_dump_json(), job.state
+            if end is not None and not job.stored:
+                return True, end, job.state
+        outcome = await self.get(request_id, tenant)
+        return is_final(outcome), outcome.model_dump_json(), outcome.status
+
+    async def wait_json(self, request_id: str, timeout: float, tenant: str | None = None) -> tuple[bool, str, State]:
+        """As wait(), as JSON (see get_json): the record a waiter is woken with is passed on as is."""
+        deadline = time.monotonic() + timeout
+        while True:
+            async with self.notifier.watch(request_id) as ended:
+                final, body, state = await self.get_json(request_id, tenant)
+                remaining = deadline - time.monotonic()
+                if final or remaining <= 0:
+                    return final, body, state
+                try:
+                    record = await asyncio.wait_for(ended, remaining)
+                except TimeoutError:
+                    record = None
+            if record is not None:
+                return True, record, State(json.loads(record)["status"])
 
     async def get_many(self, request_ids: list[str], tenant: str | None = None) -> dict[str, ResultRecord]:
         found = await self.store.get_many(request_ids, tenant)

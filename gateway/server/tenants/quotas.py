@@ -10,7 +10,7 @@ import math
 import time
 
 from limits import RateLimitItemPerMinute
-from limits.aio.storage import RedisStorage
+from limits.aio.storage import RedisClusterStorage, RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from gateway.server.errors import Busy
@@ -23,9 +23,16 @@ def _reset(reset_time: float) -> str:
 
 
 class Quotas:
-    def __init__(self, redis_url: str) -> None:
-        uri = redis_url.replace("redis://", "async+redis://", 1)
-        self.limiter = SlidingWindowCounterRateLimiter(RedisStorage(uri, implementation="redispy"))
+    def __init__(self, redis_url: str, cluster_nodes: list[str] | None = None) -> None:
+        """On a Redis Cluster (cluster_nodes: host:port of any of its nodes) the counters
+        are spread over its slots: `limits` tags both windows of a counter alike."""
+        storage: RedisStorage
+        if cluster_nodes:
+            uri = "async+redis+cluster://" + ",".join(cluster_nodes)
+            storage = RedisClusterStorage(uri, implementation="redispy")
+        else:
+            storage = RedisStorage(redis_url.replace("redis://", "async+redis://", 1), implementation="redispy")
+        self.limiter = SlidingWindowCounterRateLimiter(storage)
 
     async def admit(self, config: TenantConfig, prompt_tokens: int) -> dict[str, str]:
         """Count one request and charge its prompt tokens; the rate-limit headers, or

@@ -1,0 +1,190 @@
+"""The gateway's one ASGI middleware, in front of the FastAPI app. For every HTTP call it:
+
+- takes the X-Request-ID (from nginx or the client, when sane; else a new one), binds it
+  into the log context as `trace_id`, and returns it (gateway.server.api.request_id);
+- limits the body: over max_bytes (declared or streamed) is 413, not arriving within
+  body_timeout_s is 408 (slow senders cannot hold a worker); a JSON body must be UTF-8;
+- adds the headers the calls made for the caller left (x-ratelimit-*);
+- counts it by route template, method and status, times it, and logs one access line;
+- and serves the hot routes itself (gateway.server.api.hot) without FastAPI's routing and
+  dependency solving; everything else goes to FastAPI.
+
+One layer instead of four: every request crosses it once."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import logging
+import re
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.common.logs import bind_request_ids, clear_request_ids
+from gateway.server.api.errors import BodyRefused, ErrorRenderer
+from gateway.server.api.hot import HotRoutes
+from gateway.server.api.request_id import HEADER, TRACE_HEADER, accepted_trace_id, bind_trace_id
+from gateway.server.metrics import GatewayMetrics
+
+access_log = logging.getLogger("gateway.access")
+
+QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+UNMATCHED_ROUTE = "unmatched"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_REQUEST_ID = HEADER.lower().encode()
+_TRACE_HEADER = TRACE_HEADER.lower().encode()
+_CONTENT_LENGTH = b"content-length"
+_CONTENT_TYPE = b"content-type"
+
+
+def _templates(routes: Iterable[Any]) -> Iterator[tuple[re.Pattern[str], str]]:
+    """(path regex, template) of every route, through FastAPI's included routers."""
+    for route in routes:
+        if hasattr(route, "effective_route_contexts"):  # an included router (FastAPI >= 0.16x)
+            yield from _templates(route.effective_route_contexts())
+        elif getattr(route, "path_regex", None) is not None and getattr(route, "path_format", None):
+            yield route.path_regex, route.path_format
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    if content_type is None:
+        return True  # FastAPI reads a body without a content type as JSON
+    main = content_type.split(b";", 1)[0].strip().lower()
+    return main == b"application/json" or (main.startswith(b"application/") and main.endswith(b"+json"))
+
+
+class Edge:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        metrics: GatewayMetrics,
+        errors: ErrorRenderer,
+        max_bytes: int,
+        body_timeout_s: float,
+        uploads: dict[str, tuple[int, float]] | None = None,
+        hot: HotRoutes | None = None,
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.errors = errors
+        self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
+        # Paths that take larger bodies (file uploads): path -> (max bytes, body timeout).
+        self.uploads = uploads or {}
+        self.hot = hot
+        self._routes: list[tuple[re.Pattern[str], str]] | None = None
+        self._counters: dict[tuple[str, str, int], Counter] = {}
+        self._timers: dict[tuple[str, str], Histogram] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        trace_id = accepted_trace_id(headers.get(_REQUEST_ID))
+        reset = bind_trace_id(trace_id)
+        bind_request_ids(trace_id=trace_id)
+        started = time.perf_counter()
+        path, method = scope["path"], scope["method"]
+        scope.setdefault("state", {})
+        status = 500  # what the client gets if the app raises before answering
+        route = self.hot.match(method, path) if self.hot is not None else None
+        max_bytes, body_timeout_s = self.uploads.get(path, (self.max_bytes, self.body_timeout_s))
+        received = 0
+        body_done = False
+        response_started = False
+        utf8 = codecs.getincrementaldecoder("utf-8")() if _is_json(headers.get(_CONTENT_TYPE)) else None
+        body_deadline = asyncio.get_running_loop().time() + body_timeout_s
+
+        async def limited_receive() -> Message:
+            nonlocal received, body_done
+            if body_done:  # waiting for a disconnect while the response streams: no limit
+                return await receive()
+            try:
+                async with asyncio.timeout_at(body_deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyRefused(
+                    408, "request_timeout", f"the request body did not arrive within {body_timeout_s:g}s"
+                ) from None
+            if message["type"] == "http.request":
+                chunk = message.get("body", b"")
+                received += len(chunk)
+                if received > max_bytes:
+                    raise BodyRefused(413, "payload_too_large", f"request body is over {max_bytes} bytes")
+                body_done = not message.get("more_body", False)
+                if utf8 is not None:
+                    try:
+                        utf8.decode(chunk, final=body_done)
+                    except UnicodeDecodeError:
+                        raise BodyRefused(422, "invalid_json", "the body is not UTF-8: JSON bodies are UTF-8") from None
+            else:
+                body_done = True
+            return message
+
+        async def edge_send(message: Message) -> None:
+            nonlocal status, response_started
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                response_started = True
+                out = list(message.get("headers", []))
+                names = {name.lower() for name, _ in out}
+                # A /v1 answer names its durable request in X-Request-ID, as OpenAI's does:
+                # the call's own id goes to X-Trace-ID then.
+                out.append((_TRACE_HEADER if _REQUEST_ID in names else _REQUEST_ID, trace_id.encode()))
+                who = scope["state"].get("caller")
+                if who is not None and who.headers:
+                    out.extend((k.encode(), v.encode()) for k, v in who.headers.items())
+                message = {**message, "headers": out}
+            await send(message)
+
+        try:
+            declared = headers.get(_CONTENT_LENGTH)
+            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                raise BodyRefused(413, "payload_too_large", f"request body is over {max_bytes} bytes")
+            if route is not None and self.hot is not None:
+                await self.hot.handle(route, scope, limited_receive, edge_send)
+            else:
+                await self.app(scope, limited_receive, edge_send)
+        except BodyRefused as refused:
+            if not response_started:
+                answer = self.errors.response(path, refused.status, refused.code, refused.message)
+                await answer(scope, limited_receive, edge_send)
+        finally:
+            template = route.template if route is not None else self.route_template(scope)
+            self._count(template, method, status, time.perf_counter() - started)
+            level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
+            if access_log.isEnabledFor(level):
+                elapsed_ms = (time.perf_counter() - started) * 1000
+                access_log.log(level, "%s %s %d %.1fms", method, path, status, elapsed_ms)
+            clear_request_ids()
+            reset()
+
+    def _count(self, route: str, method: str, status: int, seconds: float) -> None:
+        method = method if method in _METHODS else "other"
+        counter = self._counters.get((route, method, status))
+        if counter is None:
+            counter = self._counters[(route, method, status)] = self.metrics.http_requests.labels(
+                route, method, str(status)
+            )
+        counter.inc()
+        timer = self._timers.get((route, method))
+        if timer is None:
+            timer = self._timers[(route, method)] = self.metrics.http_latency.labels(route, method)
+        timer.observe(seconds)
+
+    def route_template(self, scope: Scope) -> str:
+        """The template of the route that handled the request ("/results/{request_id}").
+        A request refused before routing (413 on its Content-Length) is matched here; one
+        that matches no route is "unmatched", so scanners cannot add series."""
+        template = getattr(scope.get("route"), "path_format", None)
+        if template:
+            return template
+        if self._routes is None:
+            self._routes = list(_templates(getattr(scope.get("app"), "routes", ())))
+        return next((t for regex, t in self._routes if regex.match(scope["path"])), UNMATCHED_ROUTE)
