@@ -89,7 +89,7 @@ def metrics_urls(settings: GatewaySettings) -> Callable[[str], str | None]:
     return url
 
 
-async def count_tenant(metrics: GatewayMetrics, settings: GatewaySettings, record: ResultRecord) -> None:
+def count_tenant(metrics: GatewayMetrics, settings: GatewaySettings, record: ResultRecord) -> None:
     tenant = record.tenant if settings.metrics_tenant_label else "-"
     metrics.tenant_requests.labels(tenant, record.status.value).inc()
     if record.usage is not None:
@@ -97,11 +97,25 @@ async def count_tenant(metrics: GatewayMetrics, settings: GatewaySettings, recor
         metrics.tenant_tokens.labels(tenant, "completion").inc(record.usage.completion_tokens)
 
 
-async def count_tokens(quotas: Quotas, tenants: TenantStore, record: ResultRecord) -> None:
+def token_counter(
+    quotas: Quotas, tenants: TenantStore, background: Callable[[Coroutine[Any, Any, Any]], None]
+) -> Callable[[ResultRecord], None]:
     """A finished request's completion tokens count against its tenant's tokens per minute
-    (its prompt tokens were charged at admission)."""
-    if record.usage is not None and record.usage.completion_tokens:
-        await quotas.used_tokens(await tenants.get(record.tenant), record.usage.completion_tokens)
+    (its prompt tokens were charged at admission): only for tenants with such a limit."""
+
+    def count(record: ResultRecord) -> None:
+        config = tenants.cached(record.tenant)
+        limited = config is None or config.limits.tokens_per_minute
+        if record.usage is not None and record.usage.completion_tokens and limited:
+            background(charge(record.tenant, record.usage.completion_tokens))
+
+    async def charge(tenant: str, tokens: int) -> None:
+        try:
+            await quotas.used_tokens(await tenants.get(tenant), tokens)
+        except Exception as exc:  # the limit lags a little; the request is done
+            log.warning("charging %d tokens to %s failed: %s", tokens, tenant, exc)
+
+    return count
 
 
 def add_private_docs(app: FastAPI) -> None:
@@ -159,8 +173,10 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             probe_timeout_s=settings.probe_timeout_s,
         )
         notifier = CompletionNotifier(clients)
-        hub = EventHub(clients.unblocker(), clients.reader)
-        binders = BinderClient(settings.binder_urls, http)
+        hub = EventHub(
+            clients.unblocker(), clients.reader, lambda request_id, entry: reader.record_json(request_id, entry)
+        )
+        binders = BinderClient(settings.binder_urls, http, partitions=settings.index_partitions)
         side_tasks: set[asyncio.Task[None]] = set()
 
         def background(coroutine: Coroutine[Any, Any, Any]) -> None:
@@ -208,7 +224,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         pool.on_admitted.append(lambda replica: dispatcher.wake())
         dispatcher.finished_hooks.append(usage.add)
         dispatcher.finished_hooks.append(lambda record: count_tenant(metrics, settings, record))
-        dispatcher.finished_hooks.append(lambda record: count_tokens(quotas, tenants, record))
+        dispatcher.finished_hooks.append(token_counter(quotas, tenants, background))
         sweeper = Sweeper(redis, jobs, pool, settings, metrics)
         submitter = Submitter(settings, registry, jobs, quotas, dispatcher, metrics, trace_id=current_trace_id)
         reader = ResultReader(jobs, store, notifier, settings.result_retention_s)
@@ -243,24 +259,29 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         await notifier.start()
         await hub.start()
         await dispatcher.start()
-        sweep_health = LoopHealth("sweeper")
-        sweep_task = asyncio.create_task(supervise(sweep_health, sweeper.run), name="sweeper")
-        batch_health = LoopHealth("batches")
-        batch_task = asyncio.create_task(supervise(batch_health, svc.batch_runner.run), name="batches")
-        keys_health = LoopHealth("key changes")
-        keys_task = asyncio.create_task(
-            supervise(keys_health, lambda: follow_key_changes(svc.keys, clients)), name="key changes"
-        )
+        loops = [
+            asyncio.create_task(supervise(LoopHealth(name), run), name=name)
+            for name, run in (
+                ("sweeper", sweeper.run),
+                ("batches", svc.batch_runner.run),
+                ("key changes", lambda: follow_key_changes(svc.keys, clients)),
+                ("usage", usage.run),
+            )
+        ]
         log.info("gateway ready: %d replicas, models %s", len(pool.replicas), registry.names)
         try:
             yield
         finally:
             log.info("gateway stopping: draining running requests (up to %.0fs)", settings.drain_s)
-            for task in (sweep_task, batch_task, keys_task):
+            for task in loops:
                 task.cancel()
-            await asyncio.gather(sweep_task, batch_task, keys_task, return_exceptions=True)
+            await asyncio.gather(*loops, return_exceptions=True)
             await svc.batch_runner.close()
             await dispatcher.stop()
+            try:
+                await usage.flush()
+            except Exception as exc:
+                log.warning("the last usage counts were not written: %s", exc)
             await hub.close()
             await notifier.close()
             await loads.close()

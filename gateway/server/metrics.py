@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.protocol import ResultRecord
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -10,6 +14,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         # HTTP, per route template (never the path: ids would make a series each).
         self.http_requests = Counter(
@@ -68,3 +73,25 @@ class GatewayMetrics:
             ["tenant", "kind"],
             registry=r,
         )
+
+    # Per-model children, bound once: labels() looks its child up under a lock each call.
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def count_accepted(self, model: str, count: int = 1) -> None:
+        self._child(self.accepted, model).inc(count)
+
+    def count_queue_wait(self, model: str, seconds: float) -> None:
+        self._child(self.queue_wait, model).observe(seconds)
+
+    def count_finished(self, record: ResultRecord) -> None:
+        self._child(self.finished, record.model, record.status.value).inc()
+        if record.timings.total_ms is not None:
+            self._child(self.latency, record.model).observe(record.timings.total_ms / 1000)
+        if record.timings.ttft_ms is not None:
+            self._child(self.ttft, record.model).observe(record.timings.ttft_ms / 1000)

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.common.logs import bind_request_ids
-from gateway.protocol import new_request_id
+from gateway.protocol import State, new_request_id
 from gateway.protocol.http import InferRequest
 from gateway.protocol.redis_keys import band_for
 from gateway.server.dispatch.dispatcher import Dispatcher
 from gateway.server.errors import Busy, Conflict, InvalidRequest
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import InvalidInput, ModelRegistry
-from gateway.server.queue.jobs import Admission, JobStore, NewRequest
+from gateway.server.queue.jobs import Admission, Job, JobStore, NewRequest
 from gateway.server.settings import GatewaySettings
 from gateway.server.tenants.caller import Caller
 from gateway.server.tenants.quotas import Quotas
@@ -153,11 +153,25 @@ class Submitter:
             return self._replay(submitted.existing, hashes or [])
         ids = [n.request_id for n in new]
         bind_request_ids(trace_id=self.trace_id(), request_id=ids[0])  # for the call's access line
-        self.metrics.accepted.labels(model).inc(len(ids))
+        self.metrics.count_accepted(model, len(ids))
         if submitted.outcome == "started":
-            job = await self.jobs.load(ids[0])
-            if job is not None:
-                self.dispatcher.adopt(job)
+            first = new[0]
+            job = Job(
+                request_id=first.request_id,
+                model=model,
+                tenant=who.tenant,
+                state=State.RUNNING,
+                payload=first.payload,
+                created_at=first.created_at,
+                deadline=first.deadline,
+                started_at=time.time(),
+                attempts=1,
+                emitted=0,
+                cancel_requested=False,
+                stored=False,
+                band=band,
+            )
+            self.dispatcher.adopt(job, prepared[0])  # validated once: the run does not do it again
         else:
             self.dispatcher.notice(shard, model)
         return Submission(ids, existing=False)

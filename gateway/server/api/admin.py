@@ -29,7 +29,7 @@ class NewKey(BaseModel):
 
 
 class TenantSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     weight: float = Field(default=1.0, gt=0, le=1000)
     limits: TenantLimits = Field(default_factory=TenantLimits)
     # Standard Webhooks secrets that sign this tenant's webhooks, all of them (newest first;

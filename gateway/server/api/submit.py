@@ -80,6 +80,10 @@ async def infer_response(
     wait = prefer_wait(prefer, svc.settings.max_wait_s)
     if submission.existing:
         return await answer(svc, who, request_id, wait)
+    if wait and not (accept and "text/event-stream" in accept):
+        # Just accepted: nothing to read yet. Watch for its end first (no await since it was
+        # started, so the end cannot come before the watch), read only if it does not come.
+        return await answer(svc, who, request_id, wait, fresh=True)
     if accept and "text/event-stream" in accept:
         return EventSourceResponse(
             sse_events(svc, request_id, "0-0"),
@@ -91,9 +95,10 @@ async def infer_response(
     return await answer(svc, who, request_id, wait)
 
 
-async def answer(svc: Services, who: Caller, request_id: str, wait: float | None) -> Response:
-    """200 with the result if it has ended (within wait), else 202 with the state."""
-    final, body, status = await svc.results.wait_json(request_id, wait or 0, who.scope)
+async def answer(svc: Services, who: Caller, request_id: str, wait: float | None, fresh: bool = False) -> Response:
+    """200 with the result if it has ended (within wait), else 202 with the state. fresh:
+    the request was accepted by this very call."""
+    final, body, status = await svc.results.wait_json(request_id, wait or 0, who.scope, fresh=fresh)
     if final:
         headers = {**location(request_id), **({"Preference-Applied": f"wait={wait:g}"} if wait else {})}
         return Response(body, status_code=200, headers=headers, media_type="application/json")

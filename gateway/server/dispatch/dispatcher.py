@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,13 +49,10 @@ FINISH_GRACE_S = 30.0
 @dataclass
 class Running:
     job: Job
+    prepared: Any = None  # the validated inputs, when this process validated them at submission
     control: RunControl | None = None
     task: asyncio.Task[None] | None = None
     acquired: bool = False
-
-    @property
-    def model(self) -> str:
-        return self.job.model
 
 
 @dataclass
@@ -70,7 +67,8 @@ class Dispatcher:
     metrics: GatewayMetrics
     notifier: CompletionNotifier
     # Called (in the background) with every record this process finishes.
-    finished_hooks: list[Callable[[ResultRecord], Awaitable[None]]] = field(default_factory=list)
+    # Called with every record this process ends (quick, in-line: they spawn what must wait).
+    finished_hooks: list[Callable[[ResultRecord], None]] = field(default_factory=list)
     running: dict[str, Running] = field(default_factory=dict)
     health: dict[str, LoopHealth] = field(default_factory=dict)
     _loops: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -83,6 +81,7 @@ class Dispatcher:
         self.plan = ShardPlan(self.jobs.shards)
         self.plan.mark_all(self.registry.names)
         self._side: set[asyncio.Task[None]] = set()
+        self._acquiring: dict[str, int] = {}  # per model: runs not holding a replica slot yet
 
     async def start(self) -> None:
         for name, loop in (
@@ -138,9 +137,10 @@ class Dispatcher:
             return "", False
         return self.consumer, room <= self.headroom.reserve(model, self._slots(model))
 
-    def adopt(self, job: Job) -> None:
-        """Run a request SUBMIT started for this process (attempt 1, already running)."""
-        self._spawn(job)
+    def adopt(self, job: Job, prepared: Any = None) -> None:
+        """Run a request SUBMIT started for this process (attempt 1, already running);
+        prepared: its inputs as validated at submission (not validated again)."""
+        self._spawn(job, prepared)
 
     def wake(self) -> None:
         """Look at every shard now (a replica came back: what waited can start)."""
@@ -163,20 +163,21 @@ class Dispatcher:
         return self.pool.free_slots(adapter.triton_model) if adapter else 0
 
     def _room(self, model: str) -> int:
-        waiting = sum(1 for r in self.running.values() if r.model == model and not r.acquired)
-        return self._free(model) - waiting
+        """Free slots of the model, less the runs of it still waiting to acquire one."""
+        return self._free(model) - self._acquiring.get(model, 0)
 
     def _background(self, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)
         self._side.add(task)
         task.add_done_callback(self._side.discard)
 
-    def _spawn(self, job: Job) -> None:
+    def _spawn(self, job: Job, prepared: Any = None) -> None:
         if job.request_id in self.running:
             return
         self.headroom.touch(job.model, job.tenant)
-        running = Running(job=job)
+        running = Running(job=job, prepared=prepared)
         self.running[job.request_id] = running
+        self._acquiring[job.model] = self._acquiring.get(job.model, 0) + 1
         running.task = asyncio.create_task(self._handle(running), name=f"request-{job.request_id}")
 
     async def _take_loop(self) -> None:
@@ -294,7 +295,7 @@ class Dispatcher:
         try:
             control = running.control = RunControl(request_id=request_id, attempt=job.attempts)
             control.cancel_requested = job.cancel_requested
-            self.metrics.queue_wait.labels(job.model).observe(max(0.0, time.time() - job.created_at))
+            self.metrics.count_queue_wait(job.model, max(0.0, time.time() - job.created_at))
             record = await self._run(job, control, running)
             data = await self._finish(job, record, control)
             if data is not None:
@@ -317,6 +318,7 @@ class Dispatcher:
             log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
         finally:
             self.running.pop(request_id, None)
+            self._acquired(running)
             self._wake.set()
 
     async def _run(self, job: Job, control: RunControl, running: Running) -> ResultRecord:
@@ -330,29 +332,20 @@ class Dispatcher:
                 ),
             )
 
-        def acquired() -> None:
-            running.acquired = True
-
-        control.on_acquired = acquired
-        task = asyncio.ensure_future(self.runner.run(job, control))
+        control.on_acquired = lambda: self._acquired(running)
         try:
             async with asyncio.timeout(max(0.0, job.deadline - time.time())):
-                return await asyncio.shield(task)
+                return await self.runner.run(job, control, running.prepared)
         except TimeoutError:
+            # The run was cancelled where it was (its Triton call aborted on the way out):
+            # what it had produced is kept.
             control.stop()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
             return self.runner.partial(
                 job,
                 control,
                 State.EXPIRED,
                 ErrorInfo(code="deadline_exceeded", message="the request's deadline passed while it ran"),
             )
-        except asyncio.CancelledError:
-            control.stop()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise
 
     async def _finish(self, job: Job, record: ResultRecord, control: RunControl) -> str | None:
         """Record the end once: every token event in the stream first, retrying while Redis
@@ -385,25 +378,23 @@ class Dispatcher:
                 continue
             return reply if isinstance(reply, str) else None
 
-    def _output_event(self, job: Job, record: ResultRecord) -> dict[str, Any] | None:
-        """The whole output as one `output` event, unless it already went out as tokens."""
+    def _acquired(self, running: Running) -> None:
+        """The run holds a replica slot now (or ended without one): it no longer counts as waiting."""
+        if not running.acquired:
+            running.acquired = True
+            self._acquiring[running.job.model] -= 1
+
+    def _output_event(self, job: Job, record: ResultRecord) -> bool:
+        """Whether the whole output goes out as one `output` event (it did not go out as tokens)."""
         adapter = self.registry.adapters.get(job.model)
         streamed = adapter is not None and adapter.decoupled and job.payload.get("stream")
-        return record.outputs if record.status == State.SUCCEEDED and not streamed else None
+        return bool(record.status == State.SUCCEEDED and not streamed and record.outputs)
 
     def count(self, record: ResultRecord) -> None:
         """Metrics and hooks of a request this process ended (JobStore.on_ended)."""
         for hook in self.finished_hooks:
-            self._background(self._run_hook(hook, record))
-        self.metrics.finished.labels(record.model, record.status.value).inc()
-        if record.timings.total_ms is not None:
-            self.metrics.latency.labels(record.model).observe(record.timings.total_ms / 1000)
-        if record.timings.ttft_ms is not None:
-            self.metrics.ttft.labels(record.model).observe(record.timings.ttft_ms / 1000)
-
-    @staticmethod
-    async def _run_hook(hook: Callable[[ResultRecord], Awaitable[None]], record: ResultRecord) -> None:
-        try:
-            await hook(record)
-        except Exception as exc:  # usage accounting must not break finishing
-            log.warning("after %s finished: %s: %s", record.request_id, type(exc).__name__, exc)
+            try:
+                hook(record)
+            except Exception as exc:  # accounting must not break finishing
+                log.warning("after %s finished: %s: %s", record.request_id, type(exc).__name__, exc)
+        self.metrics.count_finished(record)

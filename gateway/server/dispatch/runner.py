@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.protocol import ErrorInfo, ResultRecord, Route, State
+from gateway.protocol import ErrorInfo, ResultRecord, Route, State, Usage
 from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
 from gateway.server.dispatch.failures import Failure, classify
 from gateway.server.models import InvalidInput, ModelAdapter, ModelRegistry, Run
@@ -80,10 +80,12 @@ class Runner:
         # The replica choice (cache-aware for LLMs); least-outstanding without one.
         self.router = router
 
-    async def run(self, job: Job, control: RunControl) -> ResultRecord:
+    async def run(self, job: Job, control: RunControl, prepared: Any = None) -> ResultRecord:
+        """prepared: the inputs as validated at submission in this process, if they were."""
         try:
             adapter = self.registry.get(job.model)
-            prepared = adapter.validate(job.payload["inputs"], job.payload.get("parameters", {}))
+            if prepared is None:
+                prepared = adapter.validate(job.payload["inputs"], job.payload.get("parameters", {}))
         except InvalidInput as exc:
             return job.record(State.FAILED, error=ErrorInfo(code=exc.code, message=exc.message))
         stream = bool(job.payload.get("stream", False)) and adapter.decoupled
@@ -170,6 +172,8 @@ class Runner:
         """The record of the run as far as it got."""
         run = control.run
         outputs, usage = run.final() if run is not None else (None, None)
+        if usage is None and job.payload.get("prompt_tokens") is not None:  # counted at submission
+            usage = Usage(prompt_tokens=int(job.payload["prompt_tokens"]))
         adapter = self.registry.adapters.get(job.model)
         return job.record(
             status,

@@ -41,9 +41,10 @@ class EmbeddingRun(Run):
         return []
 
     def final(self) -> tuple[dict[str, Any], Usage | None]:
+        """The vector; the usage (the text's tokens) was counted once at submission and
+        comes from the request (Runner.partial)."""
         outputs = {self.adapter.output_name: self.vector} if self.vector is not None else {}
-        tokens = self.adapter.count_tokens(self.prepared)
-        return outputs, Usage(prompt_tokens=tokens) if tokens is not None else None
+        return outputs, None
 
 
 class EmbeddingAdapter(ModelAdapter):

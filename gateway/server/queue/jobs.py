@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 # The `running` event of a request started by SUBMIT itself (its first attempt).
 RUNNING_FIRST = json.dumps({"attempt": 1, "restarted": False, "resume_from": 0})
-_TERMINAL_EVENTS = frozenset(e.value for e in TERMINAL_EVENT.values())
 # How long a dispatcher's last TAKE is remembered (a replay after a lost reply).
 TAKE_TOKEN_TTL_S = 60
 # Finishes no replica confirmed are logged at most this often.
@@ -220,6 +219,7 @@ class JobStore:
         self._handover = redis.register_script(scripts.HANDOVER)
         self._finish = redis.register_script(scripts.FINISH)
         self._cancel = redis.register_script(scripts.CANCEL)
+        self._read = redis.register_script(scripts.READ)
         self.unreplicated_finishes = 0  # finishes no replica confirmed in time
         self._unreplicated_logged_at = 0.0
 
@@ -339,25 +339,24 @@ class JobStore:
         return Job.from_hash(request_id, h) if h else None
 
     async def load_with_end(self, request_id: str) -> tuple[Job | None, str | None]:
-        """The job and, if it has ended, its terminal record (JSON), in one round trip."""
+        """The job and, if it has ended, its record (JSON) while the results stream still
+        holds it (until the binders stored it), in one round trip."""
         shard = shard_of(request_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(shard.request(request_id))
-            pipe.xrevrange(shard.events(request_id), count=1)
-            h, last = await pipe.execute()
-        if not h:
+        fields, record = await self._read(keys=[shard.request(request_id)], args=[shard.prefix])
+        if not fields:
             return None, None
-        end = None
-        if last and last[0][1].get("event") in _TERMINAL_EVENTS:
-            end = last[0][1].get("data")
-        return Job.from_hash(request_id, h), end
+        h = dict(zip(fields[::2], fields[1::2], strict=True))
+        return Job.from_hash(request_id, h), record or None
 
     async def final_record(self, request_id: str) -> str | None:
-        """The terminal record of an ended request, from its event stream (the last event)."""
-        last = await self.redis.xrevrange(shard_of(request_id).events(request_id), count=1)
-        if last and last[0][1].get("event") in {e.value for e in TERMINAL_EVENT.values()}:
-            return last[0][1].get("data")
-        return None
+        """The record of an ended request while the results stream still holds it."""
+        job, record = await self.load_with_end(request_id)
+        return record if job is not None and job.state.terminal else None
+
+    async def record_at(self, shard: Shard, entry: str) -> str | None:
+        """The record at an entry of the shard's results stream (gone once stored and trimmed)."""
+        found = await self.redis.xrange(shard.results, entry, entry)
+        return found[0][1].get("record") if found else None
 
     async def emit(self, request_id: str, attempt: int, index: int, text: str, count: int, ids: list[int]) -> Emitted:
         """Publish pieces [index, index + count) of run `attempt` as one token event."""
@@ -398,7 +397,7 @@ class JobStore:
         *,
         allowed: tuple[State, ...] = (State.RUNNING,),
         attempt: int | None = None,
-        output_event: dict[str, Any] | None = None,
+        output_event: bool = False,
         emitted: int | None = None,
     ) -> str | int | None:
         """Record the terminal state once; returns the record's JSON, None if the request
@@ -420,7 +419,7 @@ class JobStore:
                 TERMINAL_EVENT[record.status].value,
                 self.live_state_ttl_s,
                 ",".join(s.value for s in allowed),
-                json.dumps(output_event) if output_event else "",
+                "1" if output_event else "",
                 "" if attempt is None else attempt,
                 DONE_CHANNEL,
                 "" if emitted is None else emitted,

@@ -334,8 +334,9 @@ return moved
 
 # KEYS[1]: the request hash.
 # ARGV: prefix, id, status, record, finished_at, terminal event, ttl, allowed states (a,b),
-#   output event data ('' = none), attempt ('' = not a run: cancel, expiry), done channel,
-#   pieces the run emitted ('' = not a streamed run)
+#   '1' for an `output` event (the whole outputs, when they were not streamed), attempt
+#   ('' = not a run: cancel, expiry), done channel, pieces the run emitted ('' = not a
+#   streamed run)
 # Returns {1} when applied, {0} when the request was not in an allowed state (or the
 # attempt is stale), {'gap', emitted} when the stream holds fewer pieces than the run
 # sent (Redis lost writes: send them again first).
@@ -370,12 +371,15 @@ elseif state == 'running' then
   if not h[7] then redis.call('LREM', P .. 'reclaimed:' .. model, 1, id) end
   unblock(tenant)
 end
-redis.call('HSET', req, 'state', ARGV[3], 'finished_at', ARGV[5])
+-- The record is written once, to the results stream (for the binders); the output and
+-- terminal events name its entry, and readers take the record from there (or, once it is
+-- stored and trimmed away, from MongoDB).
+local entry = redis.call('XADD', P .. 'results', '*', 'id', id, 'record', ARGV[4])
+redis.call('HSET', req, 'state', ARGV[3], 'finished_at', ARGV[5], 'result', entry)
 redis.call('HDEL', req, 'payload', 'owner')
 local events = P .. 'events:' .. id
-if ARGV[9] ~= '' then redis.call('XADD', events, '*', 'event', 'output', 'data', ARGV[9]) end
-redis.call('XADD', events, '*', 'event', ARGV[6], 'data', ARGV[4])
-redis.call('XADD', P .. 'results', '*', 'id', id, 'record', ARGV[4])
+if ARGV[9] ~= '' then redis.call('XADD', events, '*', 'event', 'output', 'record', entry) end
+redis.call('XADD', events, '*', 'event', ARGV[6], 'record', entry)
 redis.call('ZREM', P .. 'deadlines', id)
 redis.call('DEL', P .. 'tokens:' .. id)
 redis.call('EXPIRE', req, ARGV[7])
@@ -385,6 +389,24 @@ redis.call('PUBLISH', ARGV[11], id .. '\\n' .. ARGV[4])
 return {1}
 """
 )
+
+# KEYS[1]: the request hash.  ARGV: prefix.
+# The request's hash and, when it has ended and the record is still in the results
+# stream, the record: {hash, record or false}.
+READ = """
+local h = redis.call('HGETALL', KEYS[1])
+local entry = redis.call('HGET', KEYS[1], 'result')
+if entry then
+  local found = redis.call('XRANGE', ARGV[1] .. 'results', entry, entry)
+  if found[1] then
+    local fields = found[1][2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'record' then return {h, fields[i + 1]} end
+    end
+  end
+end
+return {h, false}
+"""
 
 # KEYS[1]: the request hash.  ARGV: prefix, id, cancel channel.
 # Never re-creates a hash that has expired.

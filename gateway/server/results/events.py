@@ -1,11 +1,17 @@
 """Server-Sent Events from the requests' event streams, with one Redis reader per shard
 and process: a single XREAD BLOCK covers every stream of that shard some client follows
 and fans the entries out, so a thousand SSE clients cost one connection per shard. A new
-client interrupts the blocked read (CLIENT UNBLOCK) so its stream is read at once."""
+client interrupts the blocked read (CLIENT UNBLOCK) so its stream is read at once.
+
+A request's `output` and terminal events do not hold its record: they name its entry in
+the results stream (where FINISH wrote it once). The hub puts the record back (the whole
+record for the terminal event, its outputs for `output`), once per entry for all the
+entry's followers, so clients read the same events as if they held it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -65,13 +71,16 @@ class EventHub:
         self,
         redis: Redis,
         connect_reader: Callable[[Shard], Awaitable[Redis]],
+        records: Callable[[str, str], Awaitable[str]],
         *,
         max_followers: int = 10_000,
     ) -> None:
         """connect_reader(shard) gives a client of one connection to the Redis that holds
-        the shard, for blocking reads (its id can be unblocked)."""
+        the shard, for blocking reads (its id can be unblocked); records(request id,
+        results entry) gives a record (from Redis, or MongoDB once stored)."""
         self.redis = redis  # for checks
         self.connect_reader = connect_reader
+        self.records = records
         self.max_followers = max_followers
         self._readers: dict[int, _ShardReader] = {}
         self._closed = False
@@ -156,7 +165,9 @@ class EventHub:
                 streams = {key: min((f.after for f in fs), key=stream_id_order) for key, fs in reader.followers.items()}
                 reply = await connection.xread(streams, count=512, block=BLOCK_MS)
                 for key, entries in reply or []:
-                    self._fan_out(reader, key, entries)
+                    self._fan_out(
+                        reader, key, [(entry_id, await self._event(key, fields)) for entry_id, fields in entries]
+                    )
                 if loop.time() - last_exists_check > EXISTS_EVERY_S:
                     last_exists_check = loop.time()
                     await self._end_vanished(reader)
@@ -165,15 +176,24 @@ class EventHub:
             reader.connection = None
             await connection.aclose()
 
+    async def _event(self, key: str, fields: dict[str, str]) -> tuple[str, str]:
+        """(kind, data) of an entry, with the record put back where the entry names it."""
+        kind = fields.get("event", "")
+        entry = fields.get("record")
+        if entry is None:
+            return kind, fields.get("data", "{}")
+        record = await self.records(key.rsplit(":", 1)[1], entry)
+        return kind, (json.dumps(json.loads(record).get("outputs")) if kind == "output" else record)
+
     @staticmethod
-    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, dict[str, str]]]) -> None:
+    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, tuple[str, str]]]) -> None:
         for follower in list(reader.followers.get(key, ())):
             after = stream_id_order(follower.after)
-            for entry_id, fields in entries:
+            for entry_id, (kind, data) in entries:
                 if stream_id_order(entry_id) <= after:
                     continue
                 follower.after = entry_id
-                follower.queue.put_nowait(StreamEvent(entry_id, fields.get("event", ""), fields.get("data", "{}")))
+                follower.queue.put_nowait(StreamEvent(entry_id, kind, data))
 
     async def _end_vanished(self, reader: _ShardReader) -> None:
         keys = list(reader.followers)

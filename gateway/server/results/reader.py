@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from gateway.common.result_store import ResultStore
 from gateway.protocol import ResultRecord, State, request_id_time, utc
 from gateway.protocol.http import LiveStatus, result_urls
+from gateway.protocol.redis_keys import shard_of
 from gateway.server.api.errors import ApiError
 from gateway.server.queue.jobs import Job, JobStore
 from gateway.server.results.notifier import CompletionNotifier
@@ -99,6 +100,16 @@ class ResultReader:
             return None
         return ResultRecord.model_validate_json(record) if record else None
 
+    async def record_json(self, request_id: str, entry: str) -> str:
+        """A record named by its results-stream entry: from Redis, or MongoDB once stored."""
+        record = await self.jobs.record_at(shard_of(request_id), entry)
+        if record is not None:
+            return record
+        stored = await self.store.get(request_id, None)
+        if stored is None:
+            raise self.unknown(request_id)
+        return stored.model_dump_json()
+
     async def get_json(self, request_id: str, tenant: str | None = None) -> tuple[bool, str, State]:
         """As get(), as JSON: (ended, the record's or live state's JSON, state). The record
         of a request that ended is passed on as Redis holds it, never parsed again."""
@@ -111,15 +122,22 @@ class ResultReader:
         outcome = await self.get(request_id, tenant)
         return is_final(outcome), outcome.model_dump_json(), outcome.status
 
-    async def wait_json(self, request_id: str, timeout: float, tenant: str | None = None) -> tuple[bool, str, State]:
-        """As wait(), as JSON (see get_json): the record a waiter is woken with is passed on as is."""
+    async def wait_json(
+        self, request_id: str, timeout: float, tenant: str | None = None, *, fresh: bool = False
+    ) -> tuple[bool, str, State]:
+        """As wait(), as JSON (see get_json): the record a waiter is woken with is passed on
+        as is. fresh: the request was accepted just now by this caller (it cannot have
+        ended before this call watches for its end), so nothing is read before waiting."""
         deadline = time.monotonic() + timeout
         while True:
             async with self.notifier.watch(request_id) as ended:
-                final, body, state = await self.get_json(request_id, tenant)
+                if not fresh:
+                    final, body, state = await self.get_json(request_id, tenant)
+                    remaining = deadline - time.monotonic()
+                    if final or remaining <= 0:
+                        return final, body, state
+                fresh = False
                 remaining = deadline - time.monotonic()
-                if final or remaining <= 0:
-                    return final, body, state
                 try:
                     record = await asyncio.wait_for(ended, remaining)
                 except TimeoutError:

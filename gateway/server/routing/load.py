@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.server.replicas import ReplicaPool
 
@@ -44,25 +44,41 @@ class ReplicaLoad:
         return self.others_blocks + self.own_blocks
 
 
+_FAMILIES = ("nv_trt_llm_request_metrics{", "nv_trt_llm_kv_cache_block_metrics{", "nv_inference_pending_request_count{")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of the lines of the families routing reads; every other line
+    of Triton's metrics (hundreds, for every model) is skipped without being parsed."""
+    for line in text.splitlines():
+        if not line.startswith(_FAMILIES):
+            continue
+        name, _, rest = line.partition("{")
+        labels, _, value = rest.rpartition("}")
+        try:
+            yield name, dict(_LABEL.findall(labels)), float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+
+
 def parse(text: str) -> ReplicaLoad:
     load = ReplicaLoad(scraped_at=time.monotonic())
     requests: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            if sample.name == "nv_trt_llm_request_metrics":
-                kind = labels.get("request_type", "")
-                requests[kind] = requests.get(kind, 0.0) + sample.value
-            elif sample.name == "nv_trt_llm_kv_cache_block_metrics":
-                block = labels.get("kv_cache_block_type")
-                if block == "used":
-                    load.used_blocks += sample.value
-                elif block == "max":
-                    load.max_blocks += sample.value
-                elif block == "reused":
-                    load.reused_blocks += sample.value
-            elif sample.name == "nv_inference_pending_request_count" and "model" in labels:
-                load.pending[labels["model"]] = sample.value
+    for name, labels, value in samples(text):
+        if name == "nv_trt_llm_request_metrics":
+            kind = labels.get("request_type", "")
+            requests[kind] = requests.get(kind, 0.0) + value
+        elif name == "nv_trt_llm_kv_cache_block_metrics":
+            block = labels.get("kv_cache_block_type")
+            if block == "used":
+                load.used_blocks += value
+            elif block == "max":
+                load.max_blocks += value
+            elif block == "reused":
+                load.reused_blocks += value
+        elif name == "nv_inference_pending_request_count" and "model" in labels:
+            load.pending[labels["model"]] = value
     # Requests in the engine: scheduled (context and generation) plus waiting to be.
     if "scheduled" in requests or "waiting" in requests:
         load.requests = requests.get("scheduled", 0.0) + requests.get("waiting", 0.0)

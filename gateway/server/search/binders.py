@@ -1,13 +1,21 @@
 """The gateway's client for the binders' internal API (search, webhook replay). Every
-binder can answer; the first that does is used."""
+binder can answer; the first that does is used.
+
+With INDEX_PARTITIONS > 1 the FAISS index is split by tenant: the i-th of BINDER_URLS
+holds partition i % INDEX_PARTITIONS (a StatefulSet's binder-i), so a tenant's search
+goes to the binders of its partition, and a search over every tenant to one binder of
+each partition, their hits merged by score. Webhook replays go to any binder (the
+queue is shared in Redis)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import httpx
 
+from gateway.common.settings import index_partition
 from gateway.server.api.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -17,13 +25,20 @@ _CODES = {404: "not_found", 409: "no_webhook", 422: "invalid_query", 429: "repla
 
 
 class BinderClient:
-    def __init__(self, urls: list[str], http: httpx.AsyncClient) -> None:
+    def __init__(self, urls: list[str], http: httpx.AsyncClient, partitions: int = 1) -> None:
+        if partitions > len(urls):
+            raise ValueError(f"INDEX_PARTITIONS={partitions} needs a binder of each: BINDER_URLS has {len(urls)}")
         self.urls = urls
         self.http = http
+        self.partitions = max(1, partitions)
+        # Per partition, the binders that hold it, in BINDER_URLS order.
+        self.holders = [urls[p :: self.partitions] for p in range(self.partitions)]
 
-    async def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _post(
+        self, path: str, body: dict[str, Any] | None = None, urls: list[str] | None = None
+    ) -> dict[str, Any]:
         last_error = "no binder configured"
-        for url in self.urls:
+        for url in self.urls if urls is None else urls:
             try:
                 response = await self.http.post(f"{url}{path}", json=body)
             except httpx.HTTPError as exc:
@@ -39,7 +54,13 @@ class BinderClient:
 
     async def nearest(self, space: str, vector: list[float], k: int, tenant: str | None) -> list[dict[str, Any]]:
         body = {"space": space, "vector": vector, "k": k, "tenant": tenant}
-        return (await self._post("/search", body))["hits"]
+        if self.partitions == 1:
+            return (await self._post("/search", body))["hits"]
+        if tenant is not None:
+            return (await self._post("/search", body, self.holders[index_partition(tenant, self.partitions)]))["hits"]
+        answers = await asyncio.gather(*(self._post("/search", body, holders) for holders in self.holders))
+        hits = [hit for answer in answers for hit in answer["hits"]]
+        return sorted(hits, key=lambda hit: -float(hit["score"]))[:k]
 
     async def replay_webhook(self, request_id: str, tenant: str | None) -> dict[str, Any]:
         """Queue the webhook again: 409 `replay_pending` while a replay of it is pending,

@@ -15,13 +15,18 @@ from pymongo.errors import PyMongoError
 from gateway.protocol.records import TENANTS_COLLECTION
 
 
+# Limits are stored as MongoDB int64 and passed to Lua (doubles): a billion is far beyond
+# any real limit and well inside both.
+LIMIT_MAX = 10**9
+
+
 class TenantLimits(BaseModel):
     """0 means no limit."""
 
-    requests_per_minute: int = Field(default=0, ge=0)
-    tokens_per_minute: int = Field(default=0, ge=0)
-    max_concurrent: int = Field(default=0, ge=0)
-    max_queued: int = Field(default=0, ge=0)
+    requests_per_minute: int = Field(default=0, ge=0, le=LIMIT_MAX)
+    tokens_per_minute: int = Field(default=0, ge=0, le=LIMIT_MAX)
+    max_concurrent: int = Field(default=0, ge=0, le=LIMIT_MAX)
+    max_queued: int = Field(default=0, ge=0, le=LIMIT_MAX)
 
 
 class TenantConfig(BaseModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from urllib.parse import urlsplit
 
 from limits import RateLimitItemPerMinute
 from limits.aio.storage import RedisClusterStorage, RedisStorage
@@ -27,8 +28,9 @@ class Quotas:
         """On a Redis Cluster (cluster_nodes: host:port of any of its nodes) the counters
         are spread over its slots: `limits` tags both windows of a counter alike."""
         storage: RedisStorage
-        if cluster_nodes:
-            uri = "async+redis+cluster://" + ",".join(cluster_nodes)
+        if cluster_nodes:  # REDIS_URL's credentials, the cluster's nodes
+            login = urlsplit(redis_url).netloc.rpartition("@")[0]
+            uri = "async+redis+cluster://" + (f"{login}@" if login else "") + ",".join(cluster_nodes)
             storage = RedisClusterStorage(uri, implementation="redispy")
         else:
             storage = RedisStorage(redis_url.replace("redis://", "async+redis://", 1), implementation="redispy")
