@@ -62,6 +62,15 @@ class Accepted(BaseModel):
     urls: ResultUrls
 
 
+class QueuePosition(BaseModel):
+    """Where a queued request stands (an estimate: the queue is fair between tenants, not
+    first come first served)."""
+
+    position: int = Field(description="Requests of its model expected to start before it")
+    tenant_position: int = Field(description="Requests of its tenant (same model and band) before it")
+    eta_s: float | None = Field(default=None, description="When it should start, from the recent start rate")
+
+
 class LiveStatus(BaseModel):
     """A request that has not ended yet."""
 
@@ -74,6 +83,7 @@ class LiveStatus(BaseModel):
     replica: str | None = None
     # The labels given at submission (as the record will carry them).
     metadata: dict[str, str] = Field(default_factory=dict)
+    queue: QueuePosition | None = None  # while queued
     urls: ResultUrls
 
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from gateway.common.streams import stream_id_order
-from gateway.protocol import TERMINAL_EVENT, ResultRecord
+from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.http import LiveStatus
 from gateway.protocol.redis_keys import shard_of
 from gateway.server.api.errors import ApiError
@@ -73,10 +73,27 @@ async def result_events(
     return EventSourceResponse(sse_events(svc, request_id, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
 
 
+# While a followed request waits in its queue, a `queue` event says where it stands this often.
+QUEUE_EVERY_S = 1.0
+
+
 async def sse_events(svc: Services, request_id: str, after: str) -> AsyncIterator[ServerSentEvent]:
+    """The request's events; while it is queued, `queue` events (without an id: nothing to
+    resume from) with its place and expected start, when that changes."""
+    queued = True  # until a later event says otherwise
+    last: str | None = None
     try:
-        async for event in svc.events.follow(request_id, after):
-            yield ServerSentEvent(data=event.data, event=event.kind, id=event.id)
+        async for event in svc.events.follow_idle(request_id, after, idle_s=QUEUE_EVERY_S):
+            if event is not None:
+                queued = event.kind == "queued"
+                yield ServerSentEvent(data=event.data, event=event.kind, id=event.id)
+            elif queued:
+                job = await svc.jobs.load(request_id)
+                standing = await svc.results.standing(job) if job is not None and job.state == State.QUEUED else None
+                queued = standing is not None
+                if standing is not None and standing.model_dump_json() != last:
+                    last = standing.model_dump_json()
+                    yield ServerSentEvent(data=last, event="queue")
     except TooManyStreams as exc:
         yield ServerSentEvent(data=f'{{"code": "too_many_streams", "message": "{exc}"}}', event="error")
 

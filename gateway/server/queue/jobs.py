@@ -86,6 +86,24 @@ class Submitted:
 
 
 @dataclass(frozen=True)
+class QueueStanding:
+    """What the QUEUE script tells of a queued request (see scripts.QUEUE)."""
+
+    tenant_position: int  # requests of its tenant before it, same model and band
+    tenants: int  # tenants ready in its band
+    rank: int  # of them, how many go before its tenant in this round
+    first: int  # tenants ready in higher bands, and reclaimed requests: they all go first
+    started: int  # requests of its model started in its shard so far (for the rate)
+
+    @property
+    def position(self) -> int:
+        """Requests that start before it, as the fair queue goes now: in each round every
+        ready tenant starts one, so the requests of its own tenant before it cost a round
+        each (an estimate: tenants that run out of work leave the rounds sooner)."""
+        return self.first + self.tenant_position * max(1, self.tenants) + self.rank
+
+
+@dataclass(frozen=True)
 class Emitted:
     outcome: str  # ok, cancel, stale, gap
     event_id: str  # the token event's stream id ('' when nothing was added)
@@ -220,6 +238,7 @@ class JobStore:
         self._finish = redis.register_script(scripts.FINISH)
         self._cancel = redis.register_script(scripts.CANCEL)
         self._read = redis.register_script(scripts.READ)
+        self._queue = redis.register_script(scripts.QUEUE)
         self.unreplicated_finishes = 0  # finishes no replica confirmed in time
         self._unreplicated_logged_at = 0.0
 
@@ -352,6 +371,15 @@ class JobStore:
         """The record of an ended request while the results stream still holds it."""
         job, record = await self.load_with_end(request_id)
         return record if job is not None and job.state.terminal else None
+
+    async def queue_position(self, request_id: str) -> QueueStanding | None:
+        """Where a queued request stands (None when it is not queued)."""
+        shard = shard_of(request_id)
+        reply = await self._queue(keys=[shard.request(request_id)], args=[shard.prefix, request_id])
+        if not reply:
+            return None
+        mine, tenants, rank, first, started = (int(value) for value in reply)
+        return QueueStanding(mine, tenants, rank, first, started)
 
     async def record_at(self, shard: Shard, entry: str) -> str | None:
         """The record at an entry of the shard's results stream (gone once stored and trimmed)."""

@@ -139,6 +139,7 @@ for i = 1, k do
     redis.call('HSET', req, 'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer)
     redis.call('HINCRBY', P .. 'running', 't:' .. tenant, 1)
     redis.call('HINCRBY', P .. 'running', 'm:' .. model .. ':' .. tenant, 1)
+    redis.call('HINCRBY', P .. 'started', model, 1)
     redis.call('ZADD', P .. 'leases', ARGV[15], id)
     redis.call('XADD', events, '*', 'event', 'running', 'data', ARGV[16])
     return {'started'}
@@ -189,6 +190,7 @@ local function start(rid, restarted)
     decr(P .. 'backlog', 'm:' .. model, 1)
     redis.call('HINCRBY', P .. 'running', 't:' .. h[1], 1)
     redis.call('HINCRBY', P .. 'running', 'm:' .. model .. ':' .. h[1], 1)
+    redis.call('HINCRBY', P .. 'started', model, 1)
   end
   local attempt = redis.call('HINCRBY', req, 'attempts', 1)
   redis.call('HSET', req, 'state', 'running', 'started_at', now, 'owner', consumer)
@@ -389,6 +391,28 @@ redis.call('PUBLISH', ARGV[11], id .. '\\n' .. ARGV[4])
 return {1}
 """
 )
+
+# KEYS[1]: the request hash.  ARGV: prefix, id.
+# Where a queued request stands: {its place in its tenant's queue, tenants ready in its
+# band, how many of them go before its tenant in this round, tenants ready in higher
+# bands plus requests reclaimed (they all go first), requests of its model started in the
+# shard so far}; false when it is not queued.
+QUEUE = """
+local P, id = ARGV[1], ARGV[2]
+local h = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant')
+if h[1] ~= 'queued' then return false end
+local model, band, tenant = h[2], h[3], h[4]
+local mb = model .. ':' .. band
+local ready = P .. 'ready:' .. mb
+local tenants = redis.call('ZCARD', ready)
+local first = redis.call('LLEN', P .. 'reclaimed:' .. model)
+for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
+  if higher == band then break end
+  first = first + redis.call('ZCARD', P .. 'ready:' .. model .. ':' .. higher)
+end
+return {redis.call('LPOS', P .. 'q:' .. mb .. ':' .. tenant, id) or 0, tenants,
+  redis.call('ZRANK', ready, tenant) or tenants, first, redis.call('HGET', P .. 'started', model) or '0'}
+"""
 
 # KEYS[1]: the request hash.  ARGV: prefix.
 # The request's hash and, when it has ended and the record is still in the results

@@ -110,6 +110,15 @@ class EventHub:
     async def follow(self, request_id: str, after: str) -> AsyncIterator[StreamEvent]:
         """The events of a request after `after`, up to and including the terminal one.
         Ends early (returns) if the stream disappears."""
+        async for event in self.follow_idle(request_id, after, idle_s=None):
+            if event is not None:
+                yield event
+
+    async def follow_idle(
+        self, request_id: str, after: str, *, idle_s: float | None
+    ) -> AsyncIterator[StreamEvent | None]:
+        """As follow(), and, until the request has started, None whenever nothing came for
+        idle_s (for the caller to say something meanwhile)."""
         if self.followers >= self.max_followers:
             raise TooManyStreams(f"{self.max_followers} event streams are being followed")
         shard = shard_of(request_id)
@@ -118,10 +127,20 @@ class EventHub:
         reader.followers.setdefault(follower.key, set()).add(follower)
         await self._interrupt(reader)
         try:
+            waiting = idle_s is not None
             while True:
-                event = await follower.queue.get()
+                if waiting:
+                    try:
+                        async with asyncio.timeout(idle_s):
+                            event = await follower.queue.get()
+                    except TimeoutError:
+                        yield None
+                        continue
+                else:
+                    event = await follower.queue.get()
                 if event is None:
                     return
+                waiting = waiting and event.kind == "queued"
                 yield event
                 if event.terminal:
                     return

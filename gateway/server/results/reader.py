@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from datetime import UTC, datetime
 
 from gateway.common.result_store import ResultStore
 from gateway.protocol import ResultRecord, State, request_id_time, utc
-from gateway.protocol.http import LiveStatus, result_urls
+from gateway.protocol.http import LiveStatus, QueuePosition, result_urls
 from gateway.protocol.redis_keys import shard_of
 from gateway.server.api.errors import ApiError
 from gateway.server.queue.jobs import Job, JobStore
@@ -21,7 +22,7 @@ from gateway.server.results.notifier import CompletionNotifier
 Outcome = ResultRecord | LiveStatus
 
 
-def live_status(job: Job) -> LiveStatus:
+def live_status(job: Job, queue: QueuePosition | None = None) -> LiveStatus:
     return LiveStatus(
         request_id=job.request_id,
         model=job.model,
@@ -30,8 +31,30 @@ def live_status(job: Job) -> LiveStatus:
         started_at=utc(job.started_at),
         attempts=job.attempts,
         metadata=job.payload.get("metadata") or {},
+        queue=queue,
         urls=result_urls(job.request_id),
     )
+
+
+class StartRate:
+    """How fast requests of a model start in a shard, from the shard's start counter as
+    this process has seen it over the last WINDOW_S (read whenever a queued request is)."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, str], deque[tuple[float, int]]] = {}
+
+    def per_second(self, shard: int, model: str, started: int, now: float | None = None) -> float | None:
+        now = time.monotonic() if now is None else now
+        seen = self._seen.setdefault((shard, model), deque())
+        seen.append((now, started))
+        while len(seen) > 2 and now - seen[1][0] > self.WINDOW_S:
+            seen.popleft()
+        then, count = seen[0]
+        if now - then < 1.0 or started <= count:
+            return None
+        return (started - count) / (now - then)
 
 
 def is_final(outcome: Outcome) -> bool:
@@ -44,6 +67,19 @@ class ResultReader:
         self.store = store
         self.notifier = notifier
         self.retention_s = retention_s
+        self.rate = StartRate()
+
+    async def live(self, job: Job) -> LiveStatus:
+        """A request that has not ended, with where it stands while it is queued."""
+        return live_status(job, await self.standing(job) if job.state == State.QUEUED else None)
+
+    async def standing(self, job: Job) -> QueuePosition | None:
+        found = await self.jobs.queue_position(job.request_id)
+        if found is None:
+            return None
+        rate = self.rate.per_second(shard_of(job.request_id).index, job.model, found.started)
+        eta = round((found.position + 1) / rate, 3) if rate else None
+        return QueuePosition(position=found.position, tenant_position=found.tenant_position, eta_s=eta)
 
     def unknown(self, request_id: str) -> ApiError:
         created = request_id_time(request_id)
@@ -63,7 +99,7 @@ class ResultReader:
         job = await self.job(request_id, tenant)
         if job is not None:
             if not job.state.terminal:
-                return live_status(job)
+                return await self.live(job)
             if job.stored:  # the stored record also carries the webhook outcome
                 stored = await self.store.get(request_id, tenant)
                 if stored is not None:
@@ -116,7 +152,7 @@ class ResultReader:
         job, end = await self.jobs.load_with_end(request_id)
         if job is not None and (tenant is None or job.tenant == tenant):
             if not job.state.terminal:
-                return False, live_status(job).model_dump_json(), job.state
+                return False, (await self.live(job)).model_dump_json(), job.state
             if end is not None and not job.stored:
                 return True, end, job.state
         outcome = await self.get(request_id, tenant)

@@ -14,7 +14,6 @@ from pymongo.errors import PyMongoError
 
 from gateway.protocol.records import TENANTS_COLLECTION
 
-
 # Limits are stored as MongoDB int64 and passed to Lua (doubles): a billion is far beyond
 # any real limit and well inside both.
 LIMIT_MAX = 10**9
