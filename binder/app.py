@@ -85,7 +85,8 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
         store = ResultStore(mongo, settings.mongo_db, settings.result_retention_s)
         queue = WebhookQueue(redis, lease_s=settings.webhook_lease_s)
         archiver = Archiver(redis, store, queue, settings)
-        index = VectorIndex(settings.faiss_dir)
+        partition = f"{settings.index_partition}/{settings.index_partitions}" if settings.index_partitions > 1 else ""
+        index = VectorIndex(settings.faiss_dir, partition=partition)
         follower = IndexFollower(
             redis,
             index,
@@ -93,6 +94,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             shards=archiver.shards,
             reader=clients.reader,
             snapshot_interval_s=settings.snapshot_interval_s,
+            holds=settings.holds,
         )
 
         async def webhook_status(request_id: str, outcome: str, attempts: list[dict[str, Any]]) -> None:
@@ -148,6 +150,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             "index": {space: parts.index.ntotal(space) for space in parts.index.spaces},
             "last_applied": parts.index.positions,
             "snapshot": parts.index.snapshotted,  # vectors per space a restart would load; null: none yet
+            "partition": parts.index.partition or None,  # "i/N" with INDEX_PARTITIONS > 1
             "failing": failing,
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -160,8 +163,12 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/search")
-    async def search(query: SearchQuery, request: Request) -> dict[str, Any]:
-        """The k nearest results of the tenant (of every tenant when none is given)."""
+    async def search(query: SearchQuery, request: Request) -> Any:
+        """The k nearest results of the tenant (of every tenant of this binder's index
+        partition when none is given); 421 for a tenant of another partition."""
+        if query.tenant is not None and not settings.holds(query.tenant):
+            message = f"tenant {query.tenant} is not in index partition {settings.index_partition} of this binder"
+            return JSONResponse({"detail": message, "code": "wrong_partition"}, status_code=421)
         index = binder(request).index
         try:
             hits = await asyncio.to_thread(index.search, query.space, query.vector, query.k, query.tenant)

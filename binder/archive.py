@@ -38,9 +38,9 @@ end
 return 1
 """
 
-# Keep results in the stream this long even once stored: the index followers of all
-# binders read it, and a follower far behind rebuilds from MongoDB instead.
-STREAM_KEEP_S = 3600
+# Results are kept in the streams RESULTS_KEEP_S (binder settings) even once stored: the
+# index followers of all binders read them, and a follower further behind rebuilds from
+# MongoDB instead.
 TRIM_EVERY_S = 30.0
 
 
@@ -107,7 +107,7 @@ class Archiver:
                     await self.process(reclaimed, consumer)
             if now - last_trim >= TRIM_EVERY_S:
                 last_trim = now
-                await consumer.trim(stream, keep_newer_than_s=STREAM_KEEP_S)
+                await consumer.trim(stream, keep_newer_than_s=self.settings.results_keep_s)
 
     async def _drain_own_pending(self, consumer: StreamConsumer, stream: str) -> None:
         """After a restart under the same name: what we had read but not acknowledged."""
@@ -145,7 +145,12 @@ class Archiver:
                     log.debug("stored %s (%s)", request_id, records[request_id].status.value)
         if not outcome.stored:
             return 0
-        await self._mark_stored(keys=[shard_of(rid).request(rid) for rid in outcome.stored])
+        # One call per shard: a script's keys must share a slot on Redis Cluster.
+        by_shard: dict[Shard, list[str]] = {}
+        for rid in outcome.stored:
+            by_shard.setdefault(shard_of(rid), []).append(rid)
+        for shard, ids in by_shard.items():
+            await self._mark_stored(keys=[shard.request(rid) for rid in ids])
         await self.webhooks.enqueue([records[rid] for rid in outcome.stored])
         acked = [entry for rid in outcome.stored for entry in entry_of[rid]]
         await consumer.ack(stream, *acked)

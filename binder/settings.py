@@ -8,6 +8,7 @@ instead of failing every delivery."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Self
 
@@ -15,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from binder.webhooks.guard import parse_allow_entry
 from binder.webhooks.queue import LEASE_MARGIN_S
-from gateway.common.settings import CommaList, ServiceSettings
+from gateway.common.settings import CommaList, ServiceSettings, index_partition
 from gateway.protocol.webhook_secrets import secrets_problem
 
 
@@ -43,9 +44,18 @@ class BinderSettings(ServiceSettings):
     # most of all) stores a few large batches far more cheaply than many small ones.
     linger_ms: int = Field(default=50, ge=0)
     claim_idle_ms: int = Field(default=30_000, ge=50)
+    # Stored results stay in the results streams this long (the index followers read them
+    # there; one further behind rebuilds from MongoDB). Each costs Redis memory (an
+    # embedding's record about 9 KB): at high rates, minutes, not the hour (docs/architecture.md).
+    results_keep_s: float = Field(default=3600.0, ge=0)
     # An entry delivered more often than this goes to the dead-letter stream.
     max_deliveries: int = Field(default=5, ge=1)
     faiss_dir: Path = Path(".stack/faiss")
+    # The index partition this binder holds when INDEX_PARTITIONS > 1 (the vectors of the
+    # tenants of that partition only). Default: the number BINDER_NAME ends with, modulo
+    # INDEX_PARTITIONS (a StatefulSet's binder-3 holds partition 3 % N), so binder-i is
+    # the i-th of the gateways' BINDER_URLS.
+    index_partition: int | None = Field(default=None, ge=0)
     snapshot_interval_s: float = Field(default=30.0, gt=0)
     # Webhooks (Standard Webhooks): one or more `whsec_...` secrets, newest first; they
     # sign the webhooks of every tenant that has none of its own.
@@ -102,6 +112,27 @@ class BinderSettings(ServiceSettings):
                 "and the delivery is sent twice"
             )
         return self
+
+    @model_validator(mode="after")
+    def _partition_is_known(self) -> Self:
+        if self.index_partitions <= 1:
+            self.index_partition = 0
+            return self
+        if self.index_partition is None:
+            number = re.search(r"(\d+)$", self.binder_name)
+            if number is None:
+                raise ValueError(
+                    f"INDEX_PARTITIONS={self.index_partitions} needs INDEX_PARTITION, or a BINDER_NAME ending "
+                    "with its number (binder-3)"
+                )
+            self.index_partition = int(number.group(1)) % self.index_partitions
+        if self.index_partition >= self.index_partitions:
+            raise ValueError(f"INDEX_PARTITION must be below INDEX_PARTITIONS ({self.index_partitions})")
+        return self
+
+    def holds(self, tenant: str) -> bool:
+        """Whether this binder's index partition holds the tenant's vectors."""
+        return self.index_partitions <= 1 or index_partition(tenant, self.index_partitions) == self.index_partition
 
     @property
     def retry_delays(self) -> list[float]:

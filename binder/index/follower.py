@@ -1,8 +1,10 @@
 """Feeds the vector index from the results streams (one per Redis shard).
 
-Every binder keeps a full copy of the index, so any binder can answer a search: it
-reads every shard's whole `results` stream (plain XREAD, not the consumer group, which
-splits entries between binders), each from the last entry its snapshot applied. Without
+Every binder keeps a full copy of the index (with INDEX_PARTITIONS > 1, of its
+partition's tenants: binder.settings), so any binder of a tenant's partition can answer
+its searches: it reads every shard's whole `results` stream (plain XREAD, not the
+consumer group, which splits entries between binders), each from the last entry its
+snapshot applied. Without
 a snapshot, or when a stream was trimmed past that entry, it rebuilds from MongoDB and
 then replays all the streams still hold (results not yet stored are there; ids already
 present are skipped).
@@ -79,9 +81,11 @@ class IndexFollower:
         reader: Callable[[Shard], Awaitable[Redis]] | None = None,
         snapshot_interval_s: float,
         batch: int = 512,
+        holds: Callable[[str], bool] | None = None,
     ) -> None:
         """reader(shard): a client of one connection to the shard's Redis, for blocking
-        reads (default: the main client)."""
+        reads (default: the main client). holds(tenant): whether this binder's index
+        partition takes the tenant's vectors (default: every tenant's)."""
         self.redis = redis
         self.index = index
         self.store = store
@@ -89,6 +93,7 @@ class IndexFollower:
         self.reader = reader
         self.snapshot_interval_s = snapshot_interval_s
         self.batch = batch
+        self.holds = holds or (lambda tenant: True)
         self.prepared = False
         self.caught_up = asyncio.Event()  # every stream read to its end once
         self.snapshotting: asyncio.Task[None] | None = None
@@ -122,7 +127,7 @@ class IndexFollower:
         items = []
         async for document in self.store.embeddings():
             item = item_from_document(document)
-            if item:
+            if item and self.holds(item.tenant):
                 items.append(item)
         self.index.positions = {}
         added = await asyncio.to_thread(self.index.add, items)
@@ -161,7 +166,7 @@ class IndexFollower:
                         item = item_of(ResultRecord.model_validate_json(fields.get("record", "")), self.store)
                     except ValueError:
                         continue  # not a record; the storing side dead-letters it
-                    if item:
+                    if item and self.holds(item.tenant):
                         items.append(item)
                 self._applied_since_snapshot += await asyncio.to_thread(self.index.add, items, (stream, entries[-1][0]))
                 self._maybe_snapshot()

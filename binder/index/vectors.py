@@ -153,8 +153,11 @@ class Captured:
 
 
 class VectorIndex:
-    def __init__(self, directory: Path, use_gpu: bool | None = None) -> None:
+    def __init__(self, directory: Path, use_gpu: bool | None = None, partition: str = "") -> None:
+        """partition: which tenants this index holds ("" all; "1/4": partition 1 of 4),
+        recorded in each snapshot: one of another partition is not loaded (rebuilt instead)."""
         self.directory = directory
+        self.partition = partition
         self.shards: dict[tuple[str, str], Shard] = {}
         self.dims: dict[str, int] = {}
         # The last applied entry of each results stream (one per Redis shard).
@@ -296,6 +299,8 @@ class VectorIndex:
                 }
             )
         meta = {"format": SNAPSHOT_FORMAT, "positions": positions, "shards": shards_meta}
+        if self.partition:
+            meta["partition"] = self.partition
         (staging / "meta.json").write_text(json.dumps(meta))
         for path in staging.iterdir():
             _fsync(path)
@@ -316,7 +321,8 @@ class VectorIndex:
 
     def load(self) -> bool:
         """Load the snapshot CURRENT points at. False when there is none, or it is of
-        an older format (then the index is rebuilt from MongoDB)."""
+        an older format or of another index partition (then the index is rebuilt from
+        MongoDB)."""
         pointer = self.directory / "CURRENT"
         if not pointer.exists():
             return False
@@ -324,6 +330,14 @@ class VectorIndex:
         meta = json.loads((snapshot / "meta.json").read_text())
         if meta.get("format") != SNAPSHOT_FORMAT:
             log.info("snapshot %s is of an older format; rebuilding instead", snapshot.name)
+            return False
+        if meta.get("partition", "") != self.partition:
+            log.info(
+                "snapshot %s holds index partition %r, not %r; rebuilding instead",
+                snapshot.name,
+                meta.get("partition", ""),
+                self.partition,
+            )
             return False
         shards: dict[tuple[str, str], Shard] = {}
         dims: dict[str, int] = {}

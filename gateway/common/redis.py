@@ -3,10 +3,16 @@ fails a call instead of hanging it.
 
 One Redis (REDIS_URL) or a Redis Cluster (REDIS_CLUSTER_NODES), behind one interface:
 - `main`: commands and scripts (redis-py's asyncio client, or its RedisCluster client,
-  which sends each command to the node holding its keys' slot);
-- `pubsub()`: a client for SUBSCRIBE (in a cluster, any node: PUBLISH reaches them all);
+  which sends each command to the node holding its keys' slot, follows MOVED and
+  re-reads the slot map after a failover);
+- `replicated(script, keys, args)`: a script, then WAIT on the same connection (WAIT
+  counts the replicas that have the writes of *its own* connection), on the node that
+  holds the keys: how a write is made durable across a failover (REDIS_WAIT_REPLICAS);
+- `subscription()`: a connection for SUBSCRIBE (in a cluster, to any node: a PUBLISH,
+  from a script too, reaches every node);
 - `reader(shard)`: one connection to the node holding a shard, for blocking reads
-  (XREAD BLOCK), whose timeout exceeds the longest block.
+  (XREAD BLOCK), whose timeout exceeds the longest block; `unblocker()` the client that
+  interrupts those reads (CLIENT UNBLOCK on the reader's own node).
 
 Connection errors are retried a few times with backoff (the asyncio Retry class, on the
 asyncio clients): every script is idempotent, so a command replayed after a lost reply
@@ -14,27 +20,49 @@ changes nothing more."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.protocol.redis_keys import Shard
 
+log = logging.getLogger(__name__)
+
 # The longest BLOCK any reader asks for; blocking clients wait this much longer.
 MAX_BLOCK_MS = 2000
 
-REDIS_OUTAGE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# Redis out of reach, or (Cluster) a slot without a serving primary, between a primary's
+# failure and its replica's promotion: the callers retry.
+REDIS_OUTAGE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, ClusterDownError, TryAgainError)
+# Slot map refreshes are coalesced: at most one in this long.
+_REFRESH_EVERY_S = 0.2
+# Client ids of blocking readers remembered (a reader per shard and process, reconnecting now and then).
+_READER_IDS_KEPT = 4096
+
+
+class NotReplicated(RedisError):
+    """A write reached its primary, but fewer replicas than REDIS_WAIT_REPLICAS confirmed it
+    within REDIS_WAIT_TIMEOUT_MS: a failover now could lose it."""
+
+    def __init__(self, acked: int, wanted: int, timeout_ms: int, request_ids: Sequence[str] = ()) -> None:
+        super().__init__(f"{acked} of {wanted} replica(s) confirmed the write within {timeout_ms} ms")
+        self.acked, self.wanted, self.request_ids = acked, wanted, list(request_ids)
 
 
 def _retry() -> Retry:
@@ -64,6 +92,18 @@ def _node(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def credentials(url: str) -> dict[str, Any]:
+    """The username, password and TLS of a redis:// or rediss:// URL: in a cluster,
+    REDIS_URL's credentials apply to every node (its host is not used)."""
+    parts = urlsplit(url)
+    found: dict[str, Any] = {"ssl": parts.scheme == "rediss"}
+    if parts.username:
+        found["username"] = unquote(parts.username)
+    if parts.password:
+        found["password"] = unquote(parts.password)
+    return found
+
+
 @dataclass
 class RedisClients:
     """The Redis clients of one process (see the module docstring)."""
@@ -72,51 +112,185 @@ class RedisClients:
     url: str = ""
     cluster: bool = False
     timeout_s: float = 5.0
+    max_connections: int = 256
+    # WAIT after replicated() scripts: for this many replicas (0: no WAIT), this long.
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 250
+    auth: dict[str, Any] = field(default_factory=dict)  # cluster: credentials() of REDIS_URL
+    # Cluster: a pooled plain client per node (replicated scripts), and which nodes the
+    # blocking readers with a given client id are connected to (client ids are per node).
+    _nodes: dict[tuple[str, int], Redis] = field(default_factory=dict)
+    _reader_nodes: dict[int, set[tuple[str, int]]] = field(default_factory=dict)
+    _refreshed_at: float = 0.0
 
     @classmethod
-    def open(cls, *, url: str, cluster_nodes: list[str], timeout_s: float, max_connections: int) -> RedisClients:
+    def open(
+        cls,
+        *,
+        url: str,
+        cluster_nodes: list[str],
+        timeout_s: float,
+        max_connections: int,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 250,
+    ) -> RedisClients:
         if not cluster_nodes:
             main = connect(url, timeout_s=timeout_s, max_connections=max_connections)
-            return cls(main=main, url=url, timeout_s=timeout_s)
+            return cls(
+                main=main,
+                url=url,
+                timeout_s=timeout_s,
+                max_connections=max_connections,
+                wait_replicas=wait_replicas,
+                wait_timeout_ms=wait_timeout_ms,
+            )
+        auth = credentials(url) if url else {}
         main = RedisCluster(
             startup_nodes=[ClusterNode(*_node(n)) for n in cluster_nodes],
+            **auth,
             decode_responses=True,
             socket_timeout=timeout_s,
             socket_connect_timeout=min(timeout_s, 2.0),
             max_connections=max_connections,
-            retry=_retry(),
+            # A failover moves slots: after a connection error the client reads the slot
+            # map again and retries (6 times, at once); past that the callers retry (the
+            # scripts are idempotent), until the replica is promoted.
+            retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=1.0), 6),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            # A failover moves slots: find the new owner and try again.
-            cluster_error_retry_attempts=6,
         )
-        return cls(main=main, cluster=True, timeout_s=timeout_s)
+        return cls(
+            main=main,
+            cluster=True,
+            auth=auth,
+            timeout_s=timeout_s,
+            max_connections=max_connections,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+        )
+
+    # -- plain connections to cluster nodes ------------------------------------------------
 
     def _plain(self, host: str, port: int, *, blocking: bool) -> Redis:
         return Redis(
             host=host,
             port=port,
+            **self.auth,
             decode_responses=True,
             socket_timeout=self.timeout_s + (MAX_BLOCK_MS / 1000 if blocking else 0),
             socket_connect_timeout=min(self.timeout_s, 2.0),
             single_connection_client=blocking,
         )
 
-    async def _node_of(self, key: str | None = None) -> tuple[str, int]:
-        if self.main.get_nodes() == []:
-            await self.main.initialize()
-        node = random.choice(self.main.get_primaries()) if key is None else self.main.get_node_from_key(key)
+    def _node_client(self, host: str, port: int) -> Redis:
+        client = self._nodes.get((host, port))
+        if client is None:
+            auth = self.auth
+            scheme = "rediss" if auth.get("ssl") else "redis"
+            user = quote(auth.get("username", ""), safe="")
+            login = f"{user}:{quote(auth['password'], safe='')}@" if "password" in auth else ""
+            client = self._nodes[(host, port)] = connect(
+                f"{scheme}://{login}{host}:{port}",
+                timeout_s=self.timeout_s,
+                max_connections=max(8, self.max_connections // 4),
+            )
+        return client
+
+    async def refresh(self) -> None:
+        """Read the cluster's slot map again (after a failover: who holds what now)."""
+        if not self.cluster or time.monotonic() - self._refreshed_at < _REFRESH_EVERY_S:
+            return
+        self._refreshed_at = time.monotonic()
+        try:
+            await self.main.nodes_manager.initialize()
+        except RedisError as exc:  # no node answers yet: the caller's next try asks again
+            log.debug("refreshing the cluster's slot map failed: %s", exc)
+
+    async def _owner(self, key: str) -> tuple[str, int]:
+        """The primary that holds `key`'s slot, as the slot map says now."""
+        await self.main.initialize()
+        node = self.main.get_node_from_key(key)
         return node.host, node.port
+
+    async def _any_node(self) -> tuple[str, int]:
+        await self.main.initialize()
+        node = random.choice(self.main.get_nodes())
+        return node.host, node.port
+
+    # -- durable writes --------------------------------------------------------------------
+
+    async def replicated(self, script: AsyncScript, keys: list[str], args: list[Any]) -> tuple[Any, int | None]:
+        """Run `script` on the node holding keys[0] and, with wait_replicas, WAIT on the
+        same connection: (the script's reply, the replicas that confirmed its writes within
+        wait_timeout_ms; None when not asked). A MOVED answer (the script did not run) is
+        followed; an outage is retried until timeout_s (the scripts are idempotent)."""
+        if not self.wait_replicas:
+            return await script(keys=keys, args=args), None
+        if not self.cluster:
+            return await self._script_then_wait(self.main, script, keys, args)
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.05
+        address: tuple[str, int] | None = None
+        asking = False
+        redirects = 0
+        while True:
+            try:
+                if address is None:
+                    address = await self._owner(keys[0])
+                client = self._node_client(*address)
+                return await self._script_then_wait(client, script, keys, args, asking=asking)
+            except AskError as exc:  # MovedError too: the slot is (or is being) served elsewhere
+                redirects += 1
+                if redirects > 16:
+                    raise
+                asking = not isinstance(exc, MovedError)  # a slot being migrated: ASKING first
+                if not asking:
+                    self.main.nodes_manager.move_slot(exc)
+                address = (exc.host, exc.port)
+            except REDIS_OUTAGE:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(0.5, delay * 2)
+                await self.refresh()
+                address = None
+
+    async def _script_then_wait(
+        self, client: Redis, script: AsyncScript, keys: list[str], args: list[Any], *, asking: bool = False
+    ) -> tuple[Any, int]:
+        for _ in range(2):
+            async with client.pipeline(transaction=False) as pipe:
+                if asking:
+                    pipe.execute_command("ASKING")
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+                *_, reply, acked = await pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError):  # a node that never saw it (or restarted)
+                await client.script_load(script.script)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            if isinstance(acked, Exception):
+                raise acked
+            return reply, int(acked)
+        raise NoScriptError("the script could not be loaded")
+
+    # -- pub/sub and blocking readers ------------------------------------------------------
 
     @asynccontextmanager
     async def subscription(self, *channels: str) -> AsyncIterator[PubSub]:
         """A pub/sub connection subscribed to the channels (in a cluster, on any node:
-        PUBLISH reaches every node)."""
+        PUBLISH reaches every node). A node that does not answer makes the slot map be
+        read again, so the caller's next try (its supervisor restarts it) goes elsewhere."""
         client = self.main
         if self.cluster:
-            client = self._plain(*await self._node_of(), blocking=False)
+            client = self._plain(*await self._any_node(), blocking=False)
         pubsub = client.pubsub()
         try:
-            await pubsub.subscribe(*channels)
+            try:
+                await pubsub.subscribe(*channels)
+            except REDIS_OUTAGE:
+                await self.refresh()
+                raise
             yield pubsub
         finally:
             await pubsub.aclose()
@@ -133,11 +307,54 @@ class RedisClients:
                 socket_connect_timeout=min(self.timeout_s, 2.0),
                 single_connection_client=True,
             )
-        host, port = await self._node_of(shard.backlog)
-        return self._plain(host, port, blocking=True)
+        try:
+            # A keyed command through the cluster client first: it follows a MOVED (the
+            # slot changed hands) and notices a dead node, so the map read next is current.
+            await self.main.exists(shard.backlog)
+        except REDIS_OUTAGE:
+            await self.refresh()
+            raise
+        address = await self._owner(shard.backlog)
+        client = self._plain(*address, blocking=True)
+        try:
+            self._reader_nodes.setdefault(int(await client.client_id()), set()).add(address)
+            while len(self._reader_nodes) > _READER_IDS_KEPT:  # readers long gone: the oldest
+                del self._reader_nodes[next(iter(self._reader_nodes))]
+        except BaseException:
+            await client.aclose()
+            raise
+        return client
+
+    def unblocker(self) -> Any:
+        """The client through which blocked readers are interrupted (CLIENT UNBLOCK <id>):
+        the main one on a single Redis; in a cluster, one that sends the command to the
+        node(s) where a reader of ours has that id."""
+        return self.main if not self.cluster else _ClusterUnblocker(self)
+
+    async def unblock(self, client_id: int) -> int:
+        unblocked = 0
+        for host, port in list(self._reader_nodes.get(client_id, ())):
+            unblocked += int(await self._node_client(host, port).client_unblock(client_id))
+        return unblocked
 
     async def aclose(self) -> None:
+        for client in self._nodes.values():
+            await client.aclose()
+        self._nodes.clear()
         await self.main.aclose()
 
 
-__all__ = ["MAX_BLOCK_MS", "REDIS_OUTAGE", "RedisClients", "RedisError", "connect"]
+class _ClusterUnblocker:
+    """The cluster client, but CLIENT UNBLOCK goes to the reader's own node."""
+
+    def __init__(self, clients: RedisClients) -> None:
+        self._clients = clients
+
+    async def client_unblock(self, client_id: int, error: bool = False) -> int:
+        return await self._clients.unblock(client_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._clients.main, name)
+
+
+__all__ = ["MAX_BLOCK_MS", "REDIS_OUTAGE", "NotReplicated", "RedisClients", "RedisError", "connect", "credentials"]

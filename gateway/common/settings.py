@@ -5,6 +5,7 @@ only what it reads; names are the environment variables in upper case."""
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
@@ -35,9 +36,20 @@ class ServiceSettings(BaseSettings):
     # Requests are spread over this many shards by tenant (each shard one hash tag, so one
     # Cluster slot). Every process of a deployment must use the same number.
     redis_shards: int = Field(default=1, ge=1, le=1024)
+    # The FAISS index split by tenant over binders: this many partitions (1: every binder
+    # holds the whole index). A binder holds INDEX_PARTITION (binder settings); the
+    # gateways' BINDER_URLS list the binders in order, the i-th holding partition
+    # i % INDEX_PARTITIONS. Every process of a deployment must use the same number.
+    index_partitions: int = Field(default=1, ge=1, le=1024)
     # A Redis that stops answering fails a call after this long instead of hanging it.
     redis_timeout_s: float = Field(default=5.0, gt=0)
     redis_max_connections: int = Field(default=256, ge=8)
+    # Durability across a failover: a submission is acknowledged (and a finish recorded)
+    # once this many replicas confirmed the write (WAIT), within REDIS_WAIT_TIMEOUT_MS;
+    # fewer in time refuses the submission (503 not_replicated). 0: no WAIT (one Redis
+    # without replicas; acknowledged then means written to the primary).
+    redis_wait_replicas: int = Field(default=0, ge=0, le=16)
+    redis_wait_timeout_ms: int = Field(default=250, ge=1, le=60_000)
     mongo_url: str = "mongodb://127.0.0.1:27017"
     mongo_db: str = "triton_gateway"
     mongo_timeout_s: float = Field(default=5.0, gt=0)
@@ -47,3 +59,8 @@ class ServiceSettings(BaseSettings):
     live_state_ttl_s: int = Field(default=24 * 3600, gt=0)
     log_level: str = "INFO"
     log_format: Literal["console", "json"] = "console"
+
+
+def index_partition(tenant: str, partitions: int) -> int:
+    """The FAISS index partition that holds a tenant's vectors (INDEX_PARTITIONS)."""
+    return zlib.crc32(b"index:" + tenant.encode()) % max(1, partitions)

@@ -125,9 +125,9 @@ class GatewaySettings(ServiceSettings):
     # A request started more often than this fails instead of being run again.
     max_deliveries: int = Field(default=3, ge=1)
     sweep_interval_s: float = Field(default=1.0, gt=0)
-    # Token events: one per window, carrying every piece generated in it.
+    # Token events: a stream's pieces of a window travel as one event, and the events of
+    # every stream of the process as one Redis call per shard (dispatch/relay.py).
     token_window_ms: float = Field(default=10.0, ge=0)
-    token_window_max: int = Field(default=16, ge=1)
     # How long a draining gateway lets running requests finish before handing them over.
     drain_s: float = Field(default=10.0, ge=0)
 

@@ -17,10 +17,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.protocol.redis_keys import BINDER_GROUP, Shard
+from binder.metrics import BinderMetrics
+from binder.settings import BinderSettings
 from gateway.server.metrics import GatewayMetrics
-
-RESULTS_STREAM = Shard(0).results
+from gateway.server.search.binders import BinderClient
 
 # The checkout's (not shipped in the package: applied from a checkout with kubectl).
 KUBERNETES = Path(__file__).resolve().parents[2] / "kubernetes"
@@ -161,6 +161,115 @@ TRIGGER_METADATA = {
 }
 KEDA_SCHEMAS = {"ScaledObject": SCALED_OBJECT, "TriggerAuthentication": TRIGGER_AUTHENTICATION}
 
+# -- the Percona Operator for MongoDB (psmdb.percona.com/v1): the fields of its
+# PerconaServerMongoDB that overlays/scale-out uses (from the operator's deploy/cr.yaml).
+_RESOURCES = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"requests": _STRINGS, "limits": _STRINGS},
+}
+_MEMBERS = {
+    "type": "object",
+    "required": ["size"],
+    "properties": {
+        "name": {"type": "string"},
+        "size": {"type": "integer", "minimum": 1},
+        "affinity": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"antiAffinityTopologyKey": {"type": "string"}, "advanced": {"type": "object"}},
+        },
+        "podDisruptionBudget": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"maxUnavailable": {"type": "integer"}, "minAvailable": {"type": "integer"}},
+        },
+        "resources": _RESOURCES,
+        "volumeSpec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "persistentVolumeClaim": {
+                    "type": "object",
+                    "properties": {"resources": {"type": "object"}, "storageClassName": {"type": "string"}},
+                },
+                "emptyDir": {"type": "object"},
+            },
+        },
+        "expose": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"enabled": {"type": "boolean"}, "type": {"type": "string"}},
+        },
+    },
+    "additionalProperties": False,
+}
+PERCONA_SERVER_MONGODB = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "psmdb.percona.com/v1"},
+        "kind": {"const": "PerconaServerMongoDB"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["crVersion", "image", "replsets"],
+            "additionalProperties": False,
+            "properties": {
+                "crVersion": {"type": "string"},
+                "image": {"type": "string"},
+                "updateStrategy": {"enum": ["SmartUpdate", "RollingUpdate", "OnDelete"]},
+                "secrets": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"users": {"type": "string"}, "keyFile": {"type": "string"}},
+                },
+                "users": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "db", "passwordSecretRef", "roles"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string"},
+                            "db": {"type": "string"},
+                            "passwordSecretRef": {
+                                "type": "object",
+                                "required": ["name", "key"],
+                                "additionalProperties": False,
+                                "properties": {"name": {"type": "string"}, "key": {"type": "string"}},
+                            },
+                            "roles": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["name", "db"],
+                                    "additionalProperties": False,
+                                    "properties": {"name": {"type": "string"}, "db": {"type": "string"}},
+                                },
+                            },
+                        },
+                    },
+                },
+                "replsets": {"type": "array", "minItems": 1, "items": {**_MEMBERS, "required": ["name", "size"]}},
+                "sharding": {
+                    "type": "object",
+                    "required": ["enabled"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "enabled": {"type": "boolean"},
+                        "configsvrReplSet": _MEMBERS,
+                        "mongos": _MEMBERS,
+                        "balancer": {"type": "object"},
+                    },
+                },
+                "backup": {"type": "object", "properties": {"enabled": {"type": "boolean"}}},
+            },
+        },
+    },
+}
+CUSTOM_SCHEMAS = {("psmdb.percona.com/v1", "PerconaServerMongoDB"): PERCONA_SERVER_MONGODB}
+
 
 # -- rendering ---------------------------------------------------------------------------
 
@@ -191,6 +300,11 @@ def production() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def fixed() -> list[dict[str, Any]]:
     return render(KUBERNETES / "overlays" / "fixed")
+
+
+@pytest.fixture(scope="module")
+def scale_out() -> list[dict[str, Any]]:
+    return render(KUBERNETES / "overlays" / "scale-out")
 
 
 @pytest.fixture
@@ -232,6 +346,10 @@ def edit_yaml_documents(path: Path, change: Any) -> None:
 
 
 def validate(doc: dict[str, Any], version: str) -> None:
+    custom = CUSTOM_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
+    if custom is not None:
+        jsonschema.validate(doc, custom)
+        return
     if doc["apiVersion"].startswith("keda.sh/"):
         jsonschema.validate(doc, KEDA_SCHEMAS[doc["kind"]])
         for trigger in doc["spec"].get("triggers", []):
@@ -253,9 +371,9 @@ def validate(doc: dict[str, Any], version: str) -> None:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("overlay", ["production", "fixed"])
+@pytest.mark.parametrize("overlay", ["production", "fixed", "scale-out"])
 def test_every_rendered_object_validates_against_its_schema(overlay: str, version: str, request) -> None:
-    docs = request.getfixturevalue(overlay)
+    docs = request.getfixturevalue(overlay.replace("-", "_"))
     assert len(docs) > 10
     for doc in docs:
         try:
@@ -454,8 +572,6 @@ def test_every_config_and_secret_reference_resolves(production) -> None:
                 if ref:
                     assert ref["name"] == secret["metadata"]["name"]
                     assert ref["key"] in secret["stringData"], ref
-    for ref in one(production, "TriggerAuthentication", "redis")["spec"]["secretTargetRef"]:
-        assert (ref["name"], ref["key"] in secret["stringData"]) == (secret["metadata"]["name"], True)
 
 
 # -- the front door --------------------------------------------------------------------------
@@ -542,6 +658,7 @@ def test_network_policies_allow_only_the_intended_connections(production) -> Non
         ("binder", 8090): pod("binder"),
         ("gateway", 8080): pod("gateway"),
         ("redis", 6379): redis,
+        ("redis", 16379): redis,
         ("mongodb", 27017): mongodb,
     }
     expected = {
@@ -549,12 +666,13 @@ def test_network_policies_allow_only_the_intended_connections(production) -> Non
         ("gateway", "triton", 8002),
         ("prometheus", "triton", 8002),
         ("gateway", "binder", 8090),
+        ("prometheus", "binder", 8090),
         ("ingress", "gateway", 8080),
         ("prometheus", "gateway", 8080),
         ("gateway", "redis", 6379),
         ("binder", "redis", 6379),
         ("redis", "redis", 6379),
-        ("keda", "redis", 6379),
+        ("redis", "redis", 16379),
         ("gateway", "mongodb", 27017),
         ("binder", "mongodb", 27017),
         ("mongodb", "mongodb", 27017),
@@ -572,11 +690,17 @@ def test_network_policies_allow_only_the_intended_connections(production) -> Non
 
 
 def test_the_scalers_read_the_signals_the_services_publish(production) -> None:
-    binder = one(production, "ScaledObject", "binder")["spec"]["triggers"]
-    assert {(t["metadata"]["stream"], t["metadata"]["consumerGroup"]) for t in binder} == {
-        (RESULTS_STREAM, BINDER_GROUP)
+    # Binders: the group's lag and pending entries over every shard's results stream, as
+    # the binders report them (the same from every binder, hence max).
+    binder_metrics = {m.name for m in BinderMetrics(stored=lambda: 0).registry.collect()}
+    binder = {t["name"]: t["metadata"]["query"] for t in one(production, "ScaledObject", "binder")["spec"]["triggers"]}
+    assert binder == {
+        "results_lag": 'max(binder_results_lag{namespace="triton-gateway"})',
+        "results_pending": 'max(binder_results_pending{namespace="triton-gateway"})',
     }
-    assert {"lagCount", "pendingEntriesCount"} <= {key for t in binder for key in t["metadata"]}
+    assert {"binder_results_lag", "binder_results_pending"} <= binder_metrics
+    annotations = one(production, "StatefulSet", "binder")["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", "8090")
 
     gateway_metrics = {m.name for m in GatewayMetrics().registry.collect()}
     backlog = next(t for t in one(production, "ScaledObject", "gateway")["spec"]["triggers"] if t["name"] == "backlog")
@@ -588,3 +712,133 @@ def test_the_scalers_read_the_signals_the_services_publish(production) -> None:
     assert 'kv_cache_block_type="fraction"' in triton["kv_cache"]["metadata"]["query"]
     # Averages, not totals: Value, so KEDA does not divide them by the replica count.
     assert {t["metricType"] for t in triton.values()} == {"Value"}
+
+
+# -- past one node (overlays/scale-out): Redis Cluster, sharded MongoDB, index partitions -------
+
+
+def _hosts(value: str) -> list[tuple[str, int]]:
+    found = []
+    for address in value.split(","):
+        host, _, port = address.removeprefix("http://").rpartition(":")
+        found.append((host, int(port)))
+    return found
+
+
+def test_scale_out_runs_the_queues_on_a_redis_cluster_with_a_replica_per_primary(scale_out) -> None:
+    redis = one(scale_out, "StatefulSet", "redis")
+    nodes = redis["spec"]["replicas"]
+    bootstrap = container(one(scale_out, "Job", "redis-cluster-bootstrap"))
+    script = bootstrap["args"][0]
+    assert {e["name"]: e.get("value") for e in bootstrap["env"]}["NODES"] == str(nodes)
+    assert "--cluster create" in script and "--cluster-replicas 1" in script
+    primaries = nodes // 2
+    conf = one(scale_out, "ConfigMap", "redis-cluster-config")["data"]["redis.conf"]
+    settings = dict(line.split(None, 1) for line in conf.splitlines() if line and not line.startswith("#"))
+    assert settings["cluster-enabled"] == "yes" and settings["appendonly"] == "yes"
+    assert settings["maxmemory-policy"] == "noeviction"
+    assert settings["cluster-require-full-coverage"] == "no"  # one shard down leaves the others serving
+    headless = one(scale_out, "Service", redis["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert {p["port"] for p in headless["spec"]["ports"]} == {6379, 16379}
+    pods = {f"redis-{n}.{headless['metadata']['name']}" for n in range(nodes)}
+    for workload in (one(scale_out, "Deployment", "gateway"), one(scale_out, "StatefulSet", "binder")):
+        env = config(scale_out, workload)
+        assert set(_hosts(env["REDIS_CLUSTER_NODES"])) <= {(pod, 6379) for pod in pods}
+        # Enough shards to spread the tenants over every primary (and over more later).
+        assert int(env["REDIS_SHARDS"]) >= 8 * primaries
+    gateway = config(scale_out, one(scale_out, "Deployment", "gateway"))
+    assert gateway["REDIS_SHARDS"] == config(scale_out, one(scale_out, "StatefulSet", "binder"))["REDIS_SHARDS"]
+    assert 1 <= int(gateway["REDIS_WAIT_REPLICAS"]) <= nodes // primaries - 1  # a replica each to wait for
+    assert one(scale_out, "PodDisruptionBudget", "redis")["spec"]["maxUnavailable"] == 1
+
+
+def test_scale_out_keeps_the_results_on_a_mongodb_shard_per_replica_set_sharded_by_request_id(scale_out) -> None:
+    cluster = one(scale_out, "PerconaServerMongoDB", "mongodb")["spec"]
+    assert len(cluster["replsets"]) >= 2 and {rs["size"] for rs in cluster["replsets"]} == {3}
+    sharding = cluster["sharding"]
+    assert sharding["enabled"] is True and sharding["configsvrReplSet"]["size"] == 3
+    assert sharding["mongos"]["size"] >= 2
+    job = container(one(scale_out, "Job", "mongodb-shard-results"))
+    database = next(e["value"] for e in job["env"] if e["name"] == "DATABASE")
+    script = job["args"][0]
+    assert "sh.shardCollection(name + '.results', {_id: 'hashed'})" in script
+    assert f"--host {one(scale_out, 'PerconaServerMongoDB', 'mongodb')['metadata']['name']}-mongos" in script
+    assert database == "triton_gateway"  # the gateways' MONGO_DB default
+    user = next(u for u in cluster["users"] if u["name"] == "gateway")
+    assert user["roles"] == [{"name": "readWrite", "db": database}]
+
+
+def test_scale_out_splits_the_index_over_binders_and_gateways_ask_the_tenants_binder(scale_out) -> None:
+    binder = one(scale_out, "StatefulSet", "binder")
+    gateway_env = config(scale_out, one(scale_out, "Deployment", "gateway"))
+    partitions = int(gateway_env["INDEX_PARTITIONS"])
+    assert partitions > 1 and config(scale_out, binder)["INDEX_PARTITIONS"] == str(partitions)
+    count = binder["spec"]["replicas"]  # fixed: the gateways name each binder
+    assert count % partitions == 0 and count // partitions >= 2  # a spare binder per partition
+    assert not [d for d in scale_out if d["kind"] == "ScaledObject" and d["metadata"]["name"] == "binder"]
+    urls = gateway_env["BINDER_URLS"].split(",")
+    assert _hosts(gateway_env["BINDER_URLS"]) == [(f"binder-{n}.binder-headless", 8090) for n in range(count)]
+    client = BinderClient(urls, http=None, partitions=partitions)  # type: ignore[arg-type]
+    for n, url in enumerate(urls):  # binder-n's own partition is where the gateways look for its tenants
+        held = BinderSettings(binder_name=f"binder-{n}", index_partitions=partitions).index_partition
+        assert held is not None and url in client.holders[held]
+
+
+def test_scale_out_network_policies_admit_the_cluster_bus_and_the_operators_mongodb(scale_out) -> None:
+    policies = [d for d in scale_out if d["kind"] == "NetworkPolicy"]
+
+    def pod(kind: str, name: str) -> dict[str, str]:
+        return one(scale_out, kind, name)["spec"]["template"]["metadata"]["labels"]
+
+    redis = pod("StatefulSet", "redis")
+    mongod = {"app.kubernetes.io/name": "percona-server-mongodb", "app.kubernetes.io/instance": "mongodb"}
+    operator = {"app.kubernetes.io/name": "percona-server-mongodb-operator"}
+    sources = {
+        "gateway": (NAMESPACE, pod("Deployment", "gateway")),
+        "binder": (NAMESPACE, pod("StatefulSet", "binder")),
+        "redis": (NAMESPACE, redis),
+        "redis bootstrap": (NAMESPACE, pod("Job", "redis-cluster-bootstrap")),
+        "mongod": (NAMESPACE, mongod),
+        "operator": (NAMESPACE, operator),
+        "shard job": (NAMESPACE, pod("Job", "mongodb-shard-results")),
+        "other pod": (NAMESPACE, {"app": "debug"}),
+    }
+    targets = {("redis", 6379): redis, ("redis", 16379): redis, ("mongod", 27017): mongod}
+    got = {
+        (source, target, port)
+        for source, peer in sources.items()
+        for (target, port), labels in targets.items()
+        if allowed(policies, peer, labels, port)
+    }
+    assert got == {
+        ("gateway", "redis", 6379),
+        ("binder", "redis", 6379),
+        ("redis", "redis", 6379),
+        ("redis", "redis", 16379),
+        ("redis bootstrap", "redis", 6379),
+        ("redis bootstrap", "redis", 16379),
+        ("gateway", "mongod", 27017),
+        ("binder", "mongod", 27017),
+        ("mongod", "mongod", 27017),
+        ("operator", "mongod", 27017),
+        ("shard job", "mongod", 27017),
+    }
+
+
+def test_scale_out_secret_references_resolve_to_the_documented_secrets(scale_out) -> None:
+    documented = {
+        "triton-gateway": set(load(KUBERNETES / "examples" / "secret.example.yaml")["stringData"]),
+        "triton-gateway-mongodb": set(load(KUBERNETES / "examples" / "mongodb-secret.example.yaml")["stringData"]),
+        # Made by the operator (its system users).
+        "mongodb-users": {"MONGODB_CLUSTER_ADMIN_USER", "MONGODB_CLUSTER_ADMIN_PASSWORD"},
+    }
+    for doc in scale_out:
+        for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for var in c.get("env", []):
+                ref = var.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in documented[ref["name"]], ref
+    for user in one(scale_out, "PerconaServerMongoDB", "mongodb")["spec"]["users"]:
+        ref = user["passwordSecretRef"]
+        assert ref["key"] in documented[ref["name"]], ref

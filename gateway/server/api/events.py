@@ -12,13 +12,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from gateway.common.streams import stream_id_order
 from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.http import LiveStatus
 from gateway.protocol.redis_keys import shard_of
 from gateway.server.api.errors import ApiError
+from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.results.events import TERMINAL_KINDS, TooManyStreams
 from gateway.server.services import Services, services
@@ -66,11 +67,11 @@ async def result_events(
     if job is None or not await svc.redis.exists(shard_of(request_id).events(request_id)):
         # Events are kept for a while after the end; after that, replay the stored record.
         outcome = await svc.results.get(request_id, who.scope)  # 404 / 410 for unknown ids
-        return EventSourceResponse(_replay_record(outcome, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
+        return EventStream(_replay_record(outcome, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
     last = await svc.redis.xrevrange(shard_of(request_id).events(request_id), count=1)
     if last and last[0][1].get("event") in TERMINAL_KINDS and stream_id_order(after) >= stream_id_order(last[0][0]):
         return Response(status_code=204)
-    return EventSourceResponse(sse_events(svc, request_id, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
+    return EventStream(sse_events(svc, request_id, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
 
 
 # While a followed request waits in its queue, a `queue` event says where it stands this often.

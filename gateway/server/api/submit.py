@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 
 from gateway.protocol import State
 from gateway.protocol.http import Accepted, InferRequest, result_urls
 from gateway.server.api.events import SSE_HEADERS, sse_events
+from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.services import Services, services
 
@@ -85,7 +85,7 @@ async def infer_response(
         # started, so the end cannot come before the watch), read only if it does not come.
         return await answer(svc, who, request_id, wait, fresh=True)
     if accept and "text/event-stream" in accept:
-        return EventSourceResponse(
+        return EventStream(
             sse_events(svc, request_id, "0-0"),
             ping=svc.settings.sse_ping_s,
             headers={**SSE_HEADERS, **location(request_id)},

@@ -26,6 +26,7 @@ import numpy as np
 from gateway.protocol import ErrorInfo, ResultRecord, Route, State, Usage
 from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
 from gateway.server.dispatch.failures import Failure, classify
+from gateway.server.dispatch.relay import TokenRelay
 from gateway.server.models import InvalidInput, ModelAdapter, ModelRegistry, Run
 from gateway.server.models.base import Resume, tensor
 from gateway.server.queue.jobs import Job, JobStore
@@ -79,6 +80,8 @@ class Runner:
         self.background = background
         # The replica choice (cache-aware for LLMs); least-outstanding without one.
         self.router = router
+        # Token events of every stream of this process, one EMIT per shard and window.
+        self.relay = TokenRelay(jobs, window_s=settings.token_window_ms / 1000)
 
     async def run(self, job: Job, control: RunControl, prepared: Any = None) -> ResultRecord:
         """prepared: the inputs as validated at submission in this process, if they were."""
@@ -142,12 +145,10 @@ class Runner:
 
     def _emitter(self, job: Job, control: RunControl) -> TokenEmitter:
         return TokenEmitter(
-            self.jobs,
+            self.relay,
             job.request_id,
             control.attempt,
             first_index=job.emitted,
-            window_s=self.settings.token_window_ms / 1000,
-            max_pieces=self.settings.token_window_max,
             on_cancel=lambda: self._cancel(control),
         )
 

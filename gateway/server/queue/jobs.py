@@ -104,6 +104,18 @@ class QueueStanding:
 
 
 @dataclass(frozen=True)
+class TokenEvent:
+    """Pieces [index, index + count) of run `attempt` of a request, as one token event."""
+
+    request_id: str
+    attempt: int
+    index: int
+    text: str
+    count: int
+    ids: list[int]
+
+
+@dataclass(frozen=True)
 class Emitted:
     outcome: str  # ok, cancel, stale, gap
     event_id: str  # the token event's stream id ('' when nothing was added)
@@ -388,12 +400,19 @@ class JobStore:
 
     async def emit(self, request_id: str, attempt: int, index: int, text: str, count: int, ids: list[int]) -> Emitted:
         """Publish pieces [index, index + count) of run `attempt` as one token event."""
-        shard = shard_of(request_id)
-        reply = await self._emit(
-            keys=[shard.request(request_id)],
-            args=[shard.prefix, request_id, attempt, index, text, count, "".join(f"{t}," for t in ids)],
-        )
-        return Emitted(str(reply[0]), str(reply[1] or ""), int(reply[2] or 0))
+        event = TokenEvent(request_id, attempt, index, text, count, ids)
+        (emitted,) = await self.emit_many(shard_of(request_id), [event])
+        return emitted
+
+    async def emit_many(self, shard: Shard, events: list[TokenEvent]) -> list[Emitted]:
+        """Token events of several runs of one shard, in one call."""
+        args: list[Any] = [shard.prefix]
+        for e in events:
+            args += [e.request_id, e.attempt, e.index, e.text, e.count, "".join(f"{t}," for t in e.ids)]
+        reply = await self._emit(keys=[shard.leases], args=args)
+        return [
+            Emitted(str(reply[i]), str(reply[i + 1] or ""), int(reply[i + 2] or 0)) for i in range(0, len(reply), 3)
+        ]
 
     async def renew(self, shard: Shard, consumer: str, runs: list[tuple[str, int]]) -> list[int]:
         """Renew the leases of (request id, attempt) runs in a shard: per run 1 still ours,

@@ -250,26 +250,42 @@ return {'empty'}
 """
 )
 
-# KEYS[1]: the request hash.  ARGV: prefix, id, attempt, index of the first piece, text,
-#   piece count, token ids ('1,2,3,' or '')
-# Returns {outcome, event id, pieces emitted}: outcome 'ok', 'cancel' (published, but the
-# request is asked to stop), 'stale' (another run took over), 'gap' (the stream holds
-# fewer pieces than index: send again from there). A replay of pieces already in the
-# stream changes nothing ('ok', '').
+# KEYS[1]: a key of the shard.  ARGV: prefix, then per token event: request id, attempt,
+#   index of the first piece, text, piece count, token ids ('1,2,3,' or '')
+# Token events of several runs of a shard in one call (TokenRelay sends what every stream
+# of the process produced in a window). Returns per event {outcome, event id, pieces
+# emitted}: outcome 'ok', 'cancel' (published, but the request is asked to stop), 'stale'
+# (another run took over), 'gap' (the stream holds fewer pieces than index: send again
+# from there). A replay of pieces already in the stream changes nothing ('ok', '').
 EMIT = """
-local P, id = ARGV[1], ARGV[2]
-local h = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'emitted', 'cancel')
-if h[1] ~= 'running' or h[2] ~= ARGV[3] then return {'stale', '', 0} end
-local emitted = tonumber(h[3] or '0')
-local index, count = tonumber(ARGV[4]), tonumber(ARGV[6])
-local outcome = h[4] == '1' and 'cancel' or 'ok'
-if index + count <= emitted then return {outcome, '', emitted} end
-if index ~= emitted then return {'gap', '', emitted} end
-local event = redis.call('XADD', P .. 'events:' .. id, '*', 'event', 'token', 'data',
-  cjson.encode({index = index, count = count, text_output = ARGV[5]}))
-redis.call('HSET', KEYS[1], 'emitted', index + count)
-if ARGV[7] ~= '' then redis.call('APPEND', P .. 'tokens:' .. id, ARGV[7]) end
-return {outcome, event, index + count}
+local P = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 6 do
+  local id, attempt, index, text, count, ids = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3],
+    tonumber(ARGV[i + 4]), ARGV[i + 5]
+  local req = P .. 'req:' .. id
+  local h = redis.call('HMGET', req, 'state', 'attempts', 'emitted', 'cancel')
+  local emitted = tonumber(h[3] or '0')
+  local outcome = h[4] == '1' and 'cancel' or 'ok'
+  local event = ''
+  if h[1] ~= 'running' or h[2] ~= attempt then
+    outcome, emitted = 'stale', 0
+  elseif index + count <= emitted then
+    -- a replay: already there
+  elseif index ~= emitted then
+    outcome = 'gap'
+  else
+    event = redis.call('XADD', P .. 'events:' .. id, '*', 'event', 'token', 'data',
+      cjson.encode({index = index, count = count, text_output = text}))
+    emitted = index + count
+    redis.call('HSET', req, 'emitted', emitted)
+    if ids ~= '' then redis.call('APPEND', P .. 'tokens:' .. id, ids) end
+  end
+  out[#out + 1] = outcome
+  out[#out + 1] = event
+  out[#out + 1] = emitted
+end
+return out
 """
 
 # KEYS[1]: the shard's leases.  ARGV: prefix, consumer, lease end (ms), then pairs of

@@ -59,6 +59,9 @@ class _ShardReader:
 
     shard: Shard
     followers: dict[str, set[_Follower]] = field(default_factory=dict)
+    # Per followed stream, where the next XREAD starts: the last entry fanned out, or an
+    # earlier one a new follower needs.
+    positions: dict[str, str] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     connection: Redis | None = None
     connection_id: int | None = None
@@ -125,6 +128,9 @@ class EventHub:
         reader = self._reader(shard)
         follower = _Follower(shard.events(request_id), after)
         reader.followers.setdefault(follower.key, set()).add(follower)
+        position = reader.positions.get(follower.key)
+        if position is None or stream_id_order(after) < stream_id_order(position):
+            reader.positions[follower.key] = after
         await self._interrupt(reader)
         try:
             waiting = idle_s is not None
@@ -150,6 +156,7 @@ class EventHub:
                 followers.discard(follower)
                 if not followers:
                     del reader.followers[follower.key]
+                    reader.positions.pop(follower.key, None)
 
     def _reader(self, shard: Shard) -> _ShardReader:
         reader = self._readers.get(shard.index)
@@ -181,12 +188,17 @@ class EventHub:
                     await reader.changed.wait()
                     continue
                 reader.changed.clear()
-                streams = {key: min((f.after for f in fs), key=stream_id_order) for key, fs in reader.followers.items()}
-                reply = await connection.xread(streams, count=512, block=BLOCK_MS)
+                reply = await connection.xread(dict(reader.positions), count=512, block=BLOCK_MS)
                 for key, entries in reply or []:
-                    self._fan_out(
-                        reader, key, [(entry_id, await self._event(key, fields)) for entry_id, fields in entries]
-                    )
+                    events = []
+                    for entry_id, fields in entries:
+                        entry = fields.get("record")
+                        kind = fields.get("event", "")
+                        data = fields.get("data", "{}") if entry is None else await self._record(key, kind, entry)
+                        events.append((entry_id, kind, data))
+                    if key in reader.positions:
+                        reader.positions[key] = entries[-1][0]
+                    self._fan_out(reader, key, events)
                 if loop.time() - last_exists_check > EXISTS_EVERY_S:
                     last_exists_check = loop.time()
                     await self._end_vanished(reader)
@@ -195,20 +207,17 @@ class EventHub:
             reader.connection = None
             await connection.aclose()
 
-    async def _event(self, key: str, fields: dict[str, str]) -> tuple[str, str]:
-        """(kind, data) of an entry, with the record put back where the entry names it."""
-        kind = fields.get("event", "")
-        entry = fields.get("record")
-        if entry is None:
-            return kind, fields.get("data", "{}")
+    async def _record(self, key: str, kind: str, entry: str) -> str:
+        """The data of an event that names the record's results entry: the record (terminal
+        event), or its outputs (`output` event)."""
         record = await self.records(key.rsplit(":", 1)[1], entry)
-        return kind, (json.dumps(json.loads(record).get("outputs")) if kind == "output" else record)
+        return json.dumps(json.loads(record).get("outputs")) if kind == "output" else record
 
     @staticmethod
-    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, tuple[str, str]]]) -> None:
+    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, str, str]]) -> None:
         for follower in list(reader.followers.get(key, ())):
             after = stream_id_order(follower.after)
-            for entry_id, (kind, data) in entries:
+            for entry_id, kind, data in entries:
                 if stream_id_order(entry_id) <= after:
                     continue
                 follower.after = entry_id
