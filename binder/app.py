@@ -95,6 +95,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             reader=clients.reader,
             snapshot_interval_s=settings.snapshot_interval_s,
             holds=settings.holds,
+            name=settings.binder_name,
         )
 
         async def webhook_status(request_id: str, outcome: str, attempts: list[dict[str, Any]]) -> None:

@@ -24,7 +24,7 @@ from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
 from gateway.common.logs import request_ids_bound
 from gateway.common.result_store import ResultStore
-from gateway.common.streams import Entry, StreamConsumer
+from gateway.common.streams import Entry, StreamConsumer, stream_id_order
 from gateway.protocol import ResultRecord
 from gateway.protocol.redis_keys import BINDER_GROUP, Shard, all_shards, shard_of
 
@@ -38,10 +38,11 @@ end
 return 1
 """
 
-# Results are kept in the streams RESULTS_KEEP_S (binder settings) even once stored: the
-# index followers of all binders read them, and a follower further behind rebuilds from
-# MongoDB instead.
-TRIM_EVERY_S = 30.0
+# Trimming: a results entry goes once it is stored (the group acknowledged it), every live
+# index follower has read it (Shard.results_readers: followers seen within READER_LIVE_S),
+# and RESULTS_KEEP_S has passed; a follower gone longer rebuilds from MongoDB when back.
+TRIM_EVERY_S = 5.0
+READER_LIVE_S = 60.0
 
 
 class StoreUnavailable(Exception):
@@ -107,7 +108,19 @@ class Archiver:
                     await self.process(reclaimed, consumer)
             if now - last_trim >= TRIM_EVERY_S:
                 last_trim = now
-                await consumer.trim(stream, keep_newer_than_s=self.settings.results_keep_s)
+                await consumer.trim(
+                    stream, keep_newer_than_s=self.settings.results_keep_s, also_before=await self._readers_at(shard)
+                )
+
+    async def _readers_at(self, shard: Shard) -> str | None:
+        """The entry the slowest live index follower has read up to (None: no follower said)."""
+        now_ms = time.time() * 1000
+        positions = []
+        for value in (await self.redis.hgetall(shard.results_readers)).values():
+            position, _, seen_ms = value.partition(" ")
+            if seen_ms and now_ms - float(seen_ms) < READER_LIVE_S * 1000:
+                positions.append(position)
+        return min(positions, key=stream_id_order) if positions else None
 
     async def _drain_own_pending(self, consumer: StreamConsumer, stream: str) -> None:
         """After a restart under the same name: what we had read but not acknowledged."""

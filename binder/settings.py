@@ -44,10 +44,10 @@ class BinderSettings(ServiceSettings):
     # most of all) stores a few large batches far more cheaply than many small ones.
     linger_ms: int = Field(default=50, ge=0)
     claim_idle_ms: int = Field(default=30_000, ge=50)
-    # Stored results stay in the results streams this long (the index followers read them
-    # there; one further behind rebuilds from MongoDB). Each costs Redis memory (an
-    # embedding's record about 9 KB): at high rates, minutes, not the hour (docs/architecture.md).
-    results_keep_s: float = Field(default=3600.0, ge=0)
+    # Stored results stay in the results streams at least this long, and until every live
+    # index follower has read them (a follower gone longer rebuilds from MongoDB). Each
+    # costs Redis memory until then (an embedding's record about 9 KB).
+    results_keep_s: float = Field(default=30.0, ge=0)
     # An entry delivered more often than this goes to the dead-letter stream.
     max_deliveries: int = Field(default=5, ge=1)
     faiss_dir: Path = Path(".stack/faiss")

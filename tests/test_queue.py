@@ -374,3 +374,38 @@ async def test_a_scheduling_decision_does_not_grow_with_the_waiting_tenants(stor
     many = await _decision_ms(store, 10_000)
     # O(log n) in Redis: the same order of cost (the old scheduler took 756 ms at 1,000).
     assert many < max(5 * few, few + 5.0), (few, many)
+
+
+# -- pieces written again after Redis lost them ------------------------------------------------
+
+
+async def test_pieces_written_again_keep_their_events_boundaries(store: JobStore) -> None:
+    from gateway.server.dispatch.emitter import TokenEmitter
+    from gateway.server.dispatch.relay import TokenRelay
+    from gateway.server.models import Piece
+
+    _, (request_id,) = await queue(store, "t", 1, start_as="c1")
+    emitter = TokenEmitter(TokenRelay(store, window_s=0), request_id, 1, first_index=0, on_cancel=lambda: None)
+    for texts in (["a", "b"], ["c", "d", "e"], ["f"]):
+        await emitter.add([Piece(t) for t in texts])
+    events = SHARD.events(request_id)
+    tokens = [entry for entry in await store.redis.xrange(events) if entry[1]["event"] == "token"]
+    await store.redis.xdel(events, *(entry_id for entry_id, _ in tokens[1:]))  # Redis lost the last two
+    await store.redis.hset(SHARD.request(request_id), "emitted", 2)
+    await emitter.refill(time.time() + 10, emitted=2)
+    again = [fields for _, fields in await store.redis.xrange(events) if fields["event"] == "token"]
+    assert [(f["i"], f["n"]) for f in again] == [("0", "2"), ("2", "3"), ("5", "1")]
+
+
+def test_a_reader_skips_token_events_it_has_the_pieces_of() -> None:
+    from gateway.server.results.events import EventHub, _Follower, _ShardReader
+
+    reader = _ShardReader(SHARD)
+    follower = _Follower("k", "0-0", next_piece=0)
+    reader.followers["k"] = {follower}
+    EventHub._fan_out(reader, "k", [("1-0", "token", "ab", (0, 2)), ("2-0", "token", "cde", (2, 3))])
+    EventHub._fan_out(reader, "k", [("3-0", "token", "cde", (2, 3)), ("4-0", "token", "f", (5, 1))])
+    delivered = []
+    while not follower.queue.empty():
+        delivered.append(follower.queue.get_nowait().data)
+    assert delivered == ["ab", "cde", "f"]

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # How often vectors marked expired are removed from FAISS (searches skip them meanwhile).
 SWEEP_EVERY_S = 10.0
+# How often the follower says how far it has read (the archiver's trimming waits for it).
+READ_POSITION_S = 2.0
 
 
 # The index forgets a vector this long before its record's expires_at: TTL monitors and
@@ -82,6 +84,7 @@ class IndexFollower:
         snapshot_interval_s: float,
         batch: int = 512,
         holds: Callable[[str], bool] | None = None,
+        name: str = "",
     ) -> None:
         """reader(shard): a client of one connection to the shard's Redis, for blocking
         reads (default: the main client). holds(tenant): whether this binder's index
@@ -94,6 +97,9 @@ class IndexFollower:
         self.snapshot_interval_s = snapshot_interval_s
         self.batch = batch
         self.holds = holds or (lambda tenant: True)
+        # Named, the follower says how far it has read each stream (Shard.results_readers):
+        # the archiver trims no entry a live follower has not read.
+        self.name = name
         self.prepared = False
         self.caught_up = asyncio.Event()  # every stream read to its end once
         self.snapshotting: asyncio.Task[None] | None = None
@@ -175,10 +181,21 @@ class IndexFollower:
                 await reader.aclose()
 
     async def _housekeeping(self) -> None:
-        """Sweep expired vectors now and then."""
+        """Say how far every stream was read (every READ_POSITION_S); sweep expired vectors
+        (every SWEEP_EVERY_S)."""
+        last_sweep = time.monotonic()
         while True:
-            await asyncio.sleep(SWEEP_EVERY_S)
-            await asyncio.to_thread(self.index.forget_expired)
+            await asyncio.sleep(READ_POSITION_S)
+            if self.name:
+                await self.report_positions()
+            if time.monotonic() - last_sweep >= SWEEP_EVERY_S:
+                last_sweep = time.monotonic()
+                await asyncio.to_thread(self.index.forget_expired)
+
+    async def report_positions(self) -> None:
+        now_ms = int(time.time() * 1000)
+        for shard in self.shards:
+            await self.redis.hset(shard.results_readers, self.name, f"{self.index.position(shard.results)} {now_ms}")
 
     def _maybe_snapshot(self) -> None:
         """Start a snapshot in the background when one is due and none is being written."""

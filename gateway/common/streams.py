@@ -153,9 +153,10 @@ class StreamConsumer:
             await pipe.execute()
         log.error("entry %s of %s dead-lettered: %s", entry.id, entry.stream, error)
 
-    async def trim(self, stream: str, keep_newer_than_s: float = 0) -> None:
+    async def trim(self, stream: str, keep_newer_than_s: float = 0, also_before: str | None = None) -> None:
         """Drop only entries the group has delivered and acknowledged: everything older
-        than both its oldest pending entry and its last delivered one (and the window)."""
+        than both its oldest pending entry and its last delivered one (and the window, and
+        `also_before`, an entry other readers still need)."""
         try:
             groups = await self.redis.xinfo_groups(stream)
         except ResponseError:  # the stream is gone
@@ -169,4 +170,6 @@ class StreamConsumer:
             bounds.append(pending["min"])
         if keep_newer_than_s:
             bounds.append(f"{int((time.time() - keep_newer_than_s) * 1000)}-0")
+        if also_before is not None:
+            bounds.append(also_before)
         await self.redis.xtrim(stream, minid=min(bounds, key=stream_id_order), approximate=True)

@@ -201,6 +201,10 @@ def generate(deployment: Deployment) -> dict[str, Any]:
             "yes",
             "--appendfsync",
             "everysec",
+            # A bound, and never evict: past it new work is refused (503 redis_full), what
+            # was accepted stays.
+            "--maxmemory",
+            "${REDIS_MAXMEMORY:-4gb}",
             "--maxmemory-policy",
             "noeviction",
         ],

@@ -119,6 +119,11 @@ class Shard:
     def results_dead(self) -> str:
         return f"{self.prefix}results:dead"
 
+    @property
+    def results_readers(self) -> str:
+        """Hash: each binder's index follower -> "<last entry read> <ms>" (trimming waits for it)."""
+        return f"{self.prefix}results:readers"
+
 
 def shard_of(request_id: str) -> Shard:
     return Shard(request_id_shard(request_id))

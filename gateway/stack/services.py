@@ -38,7 +38,7 @@ def _redis_ping(host: str, port: int) -> bool:
         client.close()
 
 
-def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis") -> ServiceSpec:
+def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis", maxmemory: str = "1gb") -> ServiceSpec:
     redis_dir = make_private_dir(data_dir / name)
     argv = [
         redis_server_bin(),
@@ -53,6 +53,12 @@ def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis") -> 
         "yes",
         "--appendfsync",
         "everysec",
+        # A bound, and never evict: past it new work is refused (503 redis_full), what was
+        # accepted stays.
+        "--maxmemory",
+        maxmemory,
+        "--maxmemory-policy",
+        "noeviction",
         "--save",
         "",
         "--databases",
@@ -71,7 +77,7 @@ def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis") -> 
 
 
 def redis_cluster_node_spec(
-    *, data_dir: Path, host: str, port: int, name: str, node_timeout_ms: int = 1000
+    *, data_dir: Path, host: str, port: int, name: str, node_timeout_ms: int = 1000, maxmemory: str = "1gb"
 ) -> ServiceSpec:
     """One node of a Redis Cluster (cluster mode on, no slots yet: see form_redis_cluster).
     Append-only file on, as for the single Redis; the node's cluster state lives in its
@@ -104,6 +110,12 @@ def redis_cluster_node_spec(
         "yes",
         "--appendfsync",
         "everysec",
+        # A bound, and never evict: past it new work is refused (503 redis_full), what was
+        # accepted stays.
+        "--maxmemory",
+        maxmemory,
+        "--maxmemory-policy",
+        "noeviction",
         "--save",
         "",
         "--daemonize",

@@ -208,7 +208,11 @@ class Dispatcher:
                     break
                 light = room <= self.headroom.reserve(model, self._slots(model))
                 self.plan.clear(shard.index, model)  # a wake during the call marks it again
-                got = await self.jobs.take(shard, model, self.consumer, light_only=light)
+                try:
+                    got = await self.jobs.take(shard, model, self.consumer, light_only=light)
+                except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): the others go on
+                    log.warning("taking %s work from %s failed: %s", model, shard.prefix, type(exc).__name__)
+                    continue
                 if isinstance(got, Job):
                     self.plan.mark(shard.index, model)  # there may be more
                     self._spawn(got)
@@ -231,11 +235,14 @@ class Dispatcher:
             if running.control is not None:
                 by_shard.setdefault(request_id_shard(request_id), []).append((request_id, running))
         for index, runs in by_shard.items():
-            flags = await self.jobs.renew(
-                self.jobs.shards[index % len(self.jobs.shards)],
-                self.consumer,
-                [(rid, r.control.attempt) for rid, r in runs if r.control],
-            )
+            shard = self.jobs.shards[index % len(self.jobs.shards)]
+            try:
+                flags = await self.jobs.renew(
+                    shard, self.consumer, [(rid, r.control.attempt) for rid, r in runs if r.control]
+                )
+            except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): renew the others
+                log.warning("renewing %d leases in %s failed: %s", len(runs), shard.prefix, type(exc).__name__)
+                continue
             for (request_id, running), flag in zip(runs, flags, strict=True):
                 control = running.control
                 if control is None:

@@ -57,6 +57,9 @@ class TokenEmitter:
         self.on_cancel = on_cancel
         self.pieces: list[Piece] = []  # every piece of this run, from first_index on
         self.sent = first_index  # pieces Redis holds
+        # Where each event sent began: pieces written again (Redis lost them) go in the same
+        # events, so a reader that had them can tell them by their index and skip them.
+        self._starts: list[int] = []
         self._retry_s = 0.0
         self._retry_at = 0.0
 
@@ -84,7 +87,8 @@ class TokenEmitter:
         start = self.sent - self.first_index
         if start < 0:
             raise LostPieces(f"{self.request_id}: the stream lost pieces of an earlier run")
-        batch = self.pieces[start:]
+        end = next((s for s in self._starts if s > self.sent), self.total)
+        batch = self.pieces[start : end - self.first_index]
         event = TokenEvent(
             self.request_id,
             self.attempt,
@@ -105,6 +109,8 @@ class TokenEmitter:
             )
             self.sent = reply.emitted
             return
+        if reply.event_id and (not self._starts or event.index > self._starts[-1]):
+            self._starts.append(event.index)
         self.sent = max(self.sent, reply.emitted)
         if reply.outcome == "cancel":
             self.on_cancel()

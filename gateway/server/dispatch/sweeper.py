@@ -11,6 +11,7 @@ import time
 
 from redis.asyncio import Redis
 
+from gateway.common.redis import REDIS_OUTAGE
 from gateway.protocol import ErrorInfo, State
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.queue.jobs import JobStore
@@ -42,7 +43,11 @@ class Sweeper:
 
     async def sweep(self) -> None:
         for shard in self.jobs.shards:
-            reclaimed = await self.jobs.reclaim(shard)
+            try:
+                reclaimed = await self.jobs.reclaim(shard)
+            except REDIS_OUTAGE as exc:  # that shard's Redis is away: sweep the others
+                log.warning("reclaiming in %s failed: %s", shard.prefix, type(exc).__name__)
+                continue
             if reclaimed:
                 log.info("%d running requests of %s lost their dispatcher; they start again", reclaimed, shard.prefix)
         await self.expire_overdue()

@@ -276,7 +276,7 @@ for i = 2, #ARGV, 6 do
     outcome = 'gap'
   else
     event = redis.call('XADD', P .. 'events:' .. id, '*', 'event', 'token', 'data',
-      cjson.encode({index = index, count = count, text_output = text}))
+      cjson.encode({index = index, count = count, text_output = text}), 'i', index, 'n', count)
     emitted = index + count
     redis.call('HSET', req, 'emitted', emitted)
     if ids ~= '' then redis.call('APPEND', P .. 'tokens:' .. id, ids) end

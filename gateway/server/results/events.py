@@ -50,6 +50,10 @@ class StreamEvent:
 class _Follower:
     key: str
     after: str
+    # The index of the next token piece it expects (None: any, it joined mid-stream). A
+    # token event it has the pieces of already (written again after Redis lost them) is
+    # skipped.
+    next_piece: int | None = None
     queue: asyncio.Queue[StreamEvent | None] = field(default_factory=asyncio.Queue)
 
 
@@ -126,7 +130,7 @@ class EventHub:
             raise TooManyStreams(f"{self.max_followers} event streams are being followed")
         shard = shard_of(request_id)
         reader = self._reader(shard)
-        follower = _Follower(shard.events(request_id), after)
+        follower = _Follower(shard.events(request_id), after, 0 if after == "0-0" else None)
         reader.followers.setdefault(follower.key, set()).add(follower)
         position = reader.positions.get(follower.key)
         if position is None or stream_id_order(after) < stream_id_order(position):
@@ -195,7 +199,8 @@ class EventHub:
                         entry = fields.get("record")
                         kind = fields.get("event", "")
                         data = fields.get("data", "{}") if entry is None else await self._record(key, kind, entry)
-                        events.append((entry_id, kind, data))
+                        piece = (int(fields["i"]), int(fields["n"])) if "i" in fields else None
+                        events.append((entry_id, kind, data, piece))
                     if key in reader.positions:
                         reader.positions[key] = entries[-1][0]
                     self._fan_out(reader, key, events)
@@ -214,13 +219,17 @@ class EventHub:
         return json.dumps(json.loads(record).get("outputs")) if kind == "output" else record
 
     @staticmethod
-    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, str, str]]) -> None:
+    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, str, str, tuple[int, int] | None]]) -> None:
         for follower in list(reader.followers.get(key, ())):
             after = stream_id_order(follower.after)
-            for entry_id, kind, data in entries:
+            for entry_id, kind, data, piece in entries:
                 if stream_id_order(entry_id) <= after:
                     continue
                 follower.after = entry_id
+                if piece is not None:
+                    if follower.next_piece is not None and piece[0] < follower.next_piece:
+                        continue  # pieces it has already
+                    follower.next_piece = piece[0] + piece[1]
                 follower.queue.put_nowait(StreamEvent(entry_id, kind, data))
 
     async def _end_vanished(self, reader: _ShardReader) -> None:

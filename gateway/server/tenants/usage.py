@@ -43,18 +43,27 @@ class UsageLedger:
         pending, self._pending = self._pending, {}
         if not pending:
             return
+        sent: list[tuple[str, str, int] | None] = []
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for key, counts in pending.items():
                     for field, value in counts.items():
                         if value:
                             pipe.hincrby(key, field, value)
+                            sent.append((key, field, value))
                     pipe.expire(key, KEEP_S)
-                await pipe.execute()
+                    sent.append(None)
+                results = await pipe.execute(raise_on_error=False)
         except Exception:
-            for key, counts in pending.items():  # kept for the next flush
+            for key, counts in pending.items():  # nothing went out: kept for the next flush
                 self._pending.setdefault(key, Counter()).update(counts)
             raise
+        # A pipeline spread over a cluster's nodes can fail in part: only what failed is
+        # counted again next time.
+        for item, result in zip(sent, results, strict=True):
+            if item is not None and isinstance(result, Exception):
+                key, field, value = item
+                self._pending.setdefault(key, Counter())[field] += value
 
     async def run(self) -> None:
         """Flush every FLUSH_S (supervised: returns only by failing)."""
