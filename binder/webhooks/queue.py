@@ -7,7 +7,15 @@ runs out mid-attempt and the delivery is sent twice.
 
 Replays (asked for through the API) are limited per tenant, in a fixed window
 (`{wh}:replays:<tenant>`), and a request has at most one replay pending:
-`{wh}:replaying:<request id>` names its last replay, pending while it is still due."""
+`{wh}:replaying:<request id>` names its last replay, pending while it is still due.
+
+A background response of the OpenAI API (a record with metadata api=responses and
+background=true) that ends also gets an OpenAI-style event for its tenant's OpenAI webhook
+endpoint: response.completed, response.incomplete (it ran out of tokens), response.failed
+(failed or expired) or response.cancelled, with the thin payload OpenAI sends
+({"id": "evt_...", "object": "event", "type", "created_at", "data": {"id": "resp_..."}};
+gateway/common/webhooks.py). The sender looks the endpoint up when it sends; a tenant
+without one gets nothing."""
 
 from __future__ import annotations
 
@@ -20,20 +28,14 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from gateway.protocol import TERMINAL_EVENT, ResultRecord
+from gateway.common.webhooks import ENQUEUE, TENANT_ENDPOINT, openai_event
+from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.records import DEFAULT_TENANT
 from gateway.protocol.redis_keys import WEBHOOK_DUE, webhook_key, webhook_replays_key
 
 # Time kept at the end of a lease for recording the attempt's outcome.
 LEASE_MARGIN_S = 1.0
 
-ENQUEUE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'url', ARGV[2], 'event', ARGV[3], 'payload', ARGV[4],
-  'webhook_id', ARGV[5], 'tenant', ARGV[8], 'attempts', 0, 'log', '[]')
-redis.call('ZADD', KEYS[2], ARGV[6], ARGV[7])
-return 1
-"""
 
 # KEYS: the new delivery's hash, the due set, the request's replay marker, the tenant's
 # replay counter. ARGV: as ENQUEUE, then the limit and its window (seconds).
@@ -99,15 +101,16 @@ class WebhookQueue:
         self._claim = redis.register_script(CLAIM)
 
     async def enqueue(self, records: list[ResultRecord]) -> list[str]:
-        """Deliveries for the records' terminal events, where the request asked for them.
-        Enqueuing the same record twice is a no-op (the delivery id is fixed)."""
+        """Deliveries for the records' terminal events, where the request asked for them, and
+        the OpenAI-style events of background responses. Enqueuing the same record twice is
+        a no-op (the delivery ids are fixed)."""
         created = []
         for record in records:
-            new = _NewDelivery.of(record)
-            if new is not None and await self._enqueue(
-                keys=[webhook_key(new.base), WEBHOOK_DUE], args=new.args(new.base)
-            ):
-                created.append(new.base)
+            for new in (_NewDelivery.of(record), _NewDelivery.openai(record)):
+                if new is not None and await self._enqueue(
+                    keys=[webhook_key(new.base), WEBHOOK_DUE], args=new.args(new.base)
+                ):
+                    created.append(new.base)
         return created
 
     async def replay(self, record: ResultRecord, *, per_minute: int) -> Replay:
@@ -204,6 +207,20 @@ class _NewDelivery:
         webhook_id = "msg_" + hashlib.sha256(base.encode()).hexdigest()[:26]
         return cls(base, record.request_id, record.webhook.url, event.value, payload, webhook_id, record.tenant)
 
+    @classmethod
+    def openai(cls, record: ResultRecord) -> _NewDelivery | None:
+        """The OpenAI-style event of a background response that ended (None for any other
+        record)."""
+        labels = record.metadata
+        if labels.get("api") != "responses" or labels.get("background") != "true":
+            return None
+        kind = response_event(record)
+        if kind is None:
+            return None
+        finished = record.finished_at.timestamp() if record.finished_at else None
+        base, webhook_id, payload = openai_event(kind, f"resp_{record.request_id}", finished)
+        return cls(base, record.request_id, TENANT_ENDPOINT, kind, payload, webhook_id, record.tenant)
+
     def args(self, delivery_id: str) -> list[Any]:
         """ENQUEUE's ARGV (REPLAY's first eight), due now."""
         return [
@@ -225,3 +242,15 @@ def _tenant_of_payload(payload: str) -> str:
     except (ValueError, AttributeError):
         return DEFAULT_TENANT
     return tenant if isinstance(tenant, str) and tenant else DEFAULT_TENANT
+
+
+def response_event(record: ResultRecord) -> str | None:
+    """The OpenAI webhook event of a response that ended this way."""
+    if record.status == State.SUCCEEDED:
+        incomplete = (record.outputs or {}).get("finish_reason") == "length"
+        return "response.incomplete" if incomplete else "response.completed"
+    if record.status in (State.FAILED, State.EXPIRED):
+        return "response.failed"
+    if record.status == State.CANCELED:
+        return "response.cancelled"
+    return None

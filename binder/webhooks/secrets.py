@@ -8,7 +8,10 @@ included, and kept per tenant for a few seconds. While MongoDB is out of reach t
 secrets last read for a tenant still sign; a tenant not read before cannot be signed
 for (never with the deployment secret in its place): that attempt fails and is retried.
 A stored tenant secret that cannot sign (stored before the admin API checked them) is
-reported, never quoted, and the attempt refused. No secret is ever logged."""
+reported, never quoted, and the attempt refused. No secret is ever logged.
+
+The same document holds the tenant's OpenAI webhook endpoint (`openai_webhook_url`), where
+the OpenAI-style events of its /v1 objects go; it is read and kept with the secrets."""
 
 from __future__ import annotations
 
@@ -55,10 +58,17 @@ class TenantSecrets:
         self.deployment = tuple(deployment)
         self.cache_s = cache_s
         self.max_tenants = max_tenants
-        self._known: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()  # tenant -> (read at, secrets)
+        # tenant -> (read at, its webhook settings)
+        self._known: OrderedDict[str, tuple[float, _TenantWebhooks]] = OrderedDict()
+
+    async def endpoint(self, tenant: str) -> str | None:
+        """The tenant's OpenAI webhook endpoint, if it set one."""
+        if self.tenants is None:
+            return None
+        return (await self._tenant(tenant)).endpoint
 
     async def for_tenant(self, tenant: str) -> Signing:
-        own = await self._tenant_secrets(tenant)
+        own = (await self._tenant(tenant)).secrets if self.tenants is not None else ()
         if not own:
             return Signing(self.deployment, "deployment")
         problem = secrets_problem(list(own))
@@ -66,16 +76,15 @@ class TenantSecrets:
             problem = f"tenant {tenant}'s webhook {problem}; set valid ones with PUT /admin/tenants/{tenant}"
         return Signing(own, "tenant", problem)
 
-    async def _tenant_secrets(self, tenant: str) -> tuple[str, ...]:
-        if self.tenants is None:
-            return ()
+    async def _tenant(self, tenant: str) -> _TenantWebhooks:
         now = time.monotonic()
         known = self._known.get(tenant)
         if known is not None and now - known[0] < self.cache_s:
             self._known.move_to_end(tenant)
             return known[1]
+        assert self.tenants is not None
         try:
-            document = await self.tenants.find_one({"_id": tenant}, {"webhook_secrets": 1})
+            document = await self.tenants.find_one({"_id": tenant}, {"webhook_secrets": 1, "openai_webhook_url": 1})
         except PyMongoError as exc:
             if known is None:
                 raise SecretsUnavailable(f"the webhook secrets of tenant {tenant} cannot be read: {exc}") from None
@@ -86,8 +95,18 @@ class TenantSecrets:
         secrets = (
             (found,) if isinstance(found, str) else tuple(str(s) for s in found) if isinstance(found, list) else ()
         )
-        self._known[tenant] = (now, secrets)
+        url = (document or {}).get("openai_webhook_url")
+        settings = _TenantWebhooks(secrets, url if isinstance(url, str) and url else None)
+        self._known[tenant] = (now, settings)
         self._known.move_to_end(tenant)
         while len(self._known) > self.max_tenants:
             self._known.popitem(last=False)
-        return secrets
+        return settings
+
+
+@dataclass(frozen=True)
+class _TenantWebhooks:
+    """What a tenant's document says about its webhooks."""
+
+    secrets: tuple[str, ...] = ()
+    endpoint: str | None = None  # its OpenAI webhook endpoint

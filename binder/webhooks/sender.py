@@ -13,7 +13,12 @@ cannot be encoded, a resolver error, a bug): an attempt that raised without bein
 recorded would be claimed again when its lease ran out, every lease, for ever. Each
 attempt also has a total deadline inside its lease, so a receiver that trickles its
 answer cannot outlive the lease and get the delivery twice. Only the status line and
-headers are awaited; the response body is never read."""
+headers are awaited; the response body is never read.
+
+An OpenAI-style event (its address is TENANT_ENDPOINT) goes to the tenant's OpenAI webhook
+endpoint as it is when the attempt is made; a tenant without one gets nothing (the
+delivery ends quietly). Its outcome is kept in the delivery only: a request's record shows
+the status of its own webhook."""
 
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from binder.webhooks.guard import AddressGuard, Refused, Unresolvable, pinned
 from binder.webhooks.queue import LEASE_MARGIN_S, Delivery, WebhookQueue
 from binder.webhooks.secrets import SecretsUnavailable, TenantSecrets
 from gateway.common.logs import bind_request_ids
+from gateway.common.webhooks import TENANT_ENDPOINT
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +128,9 @@ class WebhookSender:
     async def deliver(self, delivery: Delivery) -> None:
         trace_id = trace_id_of(delivery)
         bind_request_ids(trace_id=trace_id, request_id=delivery.request_id)  # in this delivery's task
+        openai = delivery.url == TENANT_ENDPOINT
+        if openai and not await self._resolve(delivery):
+            return
         async with self.slots:
             delivery.attempts += 1
             attempt: dict[str, Any] = {"at": datetime.now(UTC).isoformat(), "attempt": delivery.attempts}
@@ -148,10 +157,30 @@ class WebhookSender:
                 log.warning("saving webhook %s attempt %d failed: %s", delivery.delivery_id, delivery.attempts, exc)
                 return
             log.info("webhook %s attempt %d: %s", delivery.delivery_id, delivery.attempts, outcome)
+            if openai:
+                return
             try:
                 await self.on_status(delivery.request_id, outcome, delivery.log)
             except Exception as exc:  # the attempt is saved in Redis; only the copy in MongoDB lags
                 log.warning("recording webhook status of %s failed: %s", delivery.request_id, exc)
+
+    async def _resolve(self, delivery: Delivery) -> bool:
+        """Point an OpenAI-style event at its tenant's endpoint; False (and the delivery
+        ended, or left to its lease while MongoDB is away) when there is none."""
+        try:
+            url = await self.secrets.endpoint(delivery.tenant)
+        except SecretsUnavailable as exc:
+            log.warning("webhook %s: %s; tried again when its lease runs out", delivery.delivery_id, exc)
+            return False
+        if url:
+            delivery.url = url
+            return True
+        try:
+            await self.queue.save_attempt(delivery, None)
+        except Exception as exc:  # Redis is down: the lease runs out and it is looked at again
+            log.warning("ending webhook %s failed: %s", delivery.delivery_id, exc)
+        log.debug("webhook %s: tenant %s has no OpenAI webhook endpoint", delivery.delivery_id, delivery.tenant)
+        return False
 
     async def _post(
         self, delivery: Delivery, attempt: dict[str, Any], trace_id: str | None = None

@@ -35,6 +35,10 @@ class Usage(BaseModel):
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Prompt tokens the engine served from its prefix KV cache (whole blocks it reused), as
+    # the engine reports it (TensorRT-LLM: kv_cache_reused_blocks x tokens per block); None
+    # where the engine reported nothing.
+    cached_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:

@@ -5,10 +5,12 @@ runner, below all of them.
     limits -> queue durably in the tenant's shard, or start at once when this process has
     room -> hand to the dispatcher
 
-Several requests of one call (the inputs of /v1/embeddings, the lines' inputs of a batch)
-are admitted together or not at all, and count as one request against the tenant's
-requests per minute. Batch lines do not count against the per-minute limits: the batch
-window and the batch backlog pace them. Refusals are domain errors (gateway.server.errors);
+Several requests of one call (the inputs of /v1/embeddings, the n choices of a chat
+completion, the lines' inputs of a batch) are admitted together or not at all, and count as
+one request against the tenant's requests per minute. Batch lines do not count against the
+per-minute limits: the batch window and the batch backlog pace them. Flex requests (OpenAI's
+service_tier flex) are queued in the batch band, below all interactive traffic, but are
+charged like any other call. Refusals are domain errors (gateway.server.errors);
 each API answers them in its own shape."""
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class Submitter:
         idempotency_keys: list[str] | None = None,
         batch: bool = False,
         extra_payload: dict[str, Any] | None = None,
+        flex: bool = False,
     ) -> Submission:
-        """Validate and queue requests of one model, all or none."""
+        """Validate and queue requests of one model, all or none (flex: in the batch band)."""
         model = bodies[0].model
         if any(body.model != model for body in bodies):
             raise ValueError("one submission is for one model")
@@ -132,7 +135,7 @@ class Submitter:
             }
             idempotency = (idempotency_keys[index], hashes[index]) if idempotency_keys and hashes else None
             new.append(NewRequest(request_id, payload, now, now + timeout_s, idempotency))
-        band = band_for(bodies[0].priority, batch=batch)
+        band = band_for(bodies[0].priority, batch=batch or flex)
         start_as, light_only = self.dispatcher.can_start_now(model, who.tenant) if len(new) == 1 else ("", False)
         submitted = await self.jobs.submit(
             new,

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.protocol import WebhookSpec
 from gateway.protocol.webhook_secrets import secrets_problem
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, admin, caller
@@ -35,6 +36,16 @@ class TenantSettings(BaseModel):
     # Standard Webhooks secrets that sign this tenant's webhooks, all of them (newest first;
     # two during a rotation). Empty: the deployment's WEBHOOK_SECRETS sign them.
     webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
+    # Where OpenAI-style webhook events of this tenant's /v1 objects go (background responses,
+    # batches): an http(s) URL, checked as a request's webhook is; null: none are sent.
+    openai_webhook_url: str | None = Field(default=None, max_length=2048)
+
+    @field_validator("openai_webhook_url")
+    @classmethod
+    def _endpoint_is_a_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            WebhookSpec(url=url)  # (raises ValueError, answered 422 naming the field)
+        return url
 
     @field_validator("webhook_secrets")
     @classmethod
@@ -70,7 +81,9 @@ async def get_tenant(tenant: str, request: Request, who: Annotated[Caller, Depen
     return (await services(request).tenants.get(tenant)).public()
 
 
-@router.put("/admin/tenants/{tenant}", summary="Set a tenant's weight, limits and webhook secrets")
+@router.put(
+    "/admin/tenants/{tenant}", summary="Set a tenant's weight, limits, webhook secrets and OpenAI webhook endpoint"
+)
 async def put_tenant(
     tenant: Tenant, body: TenantSettings, request: Request, who: Annotated[Caller, Depends(admin)]
 ) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from gateway.server.llm.tools import as_plain_messages, for_template, template_knows_tools
 
 
 class ChatTemplateError(ValueError):
@@ -68,6 +71,7 @@ class LlmTokenizer:
         if template is None and (self.directory / "chat_template.jinja").exists():
             template = (self.directory / "chat_template.jinja").read_text()
         self.chat_template: str | None = template
+        self._bytes: dict[int, bytes] = {}  # token id -> its bytes (token_bytes)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -78,9 +82,21 @@ class LlmTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation as the model's prompt. Tools (OpenAI's function tool objects) and
+        tool calls and results in the messages are rendered by the template when it knows
+        tools, else as the generic Hermes-style prompt (gateway.server.llm.tools)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send text_input instead of messages")
+        if template_knows_tools(self.chat_template):
+            messages, offered = for_template(messages), tools or None
+        else:
+            messages, offered = as_plain_messages(messages, tools), None
         try:
             return _compile(self.chat_template).render(
                 messages=messages,
@@ -88,10 +104,18 @@ class LlmTokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 pad_token=self.pad_token or "",
-                tools=None,
+                tools=offered,
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a byte-level BPE token may hold part of a character;
+        decoding it alone would give U+FFFD)."""
+        found = self._bytes.get(token)
+        if found is None:
+            found = self._bytes[token] = _token_bytes(self.tokenizer, token)
+        return found
 
 
 def word_list(words: list[list[int]]) -> np.ndarray | None:
@@ -107,6 +131,39 @@ def word_list(words: list[list[int]]) -> np.ndarray | None:
         return None
     offsets += [-1] * (len(ids) - len(offsets))
     return np.array([[ids, offsets]], dtype=np.int32)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_table()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _token_bytes(tokenizer: Tokenizer, token: int) -> bytes:
+    piece = tokenizer.id_to_token(token)
+    if piece is None:
+        return b""
+    decoder = json.loads(tokenizer.decoder.__getstate__()).get("type") if tokenizer.decoder else None
+    if decoder == "ByteLevel" and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    fallback = _BYTE_FALLBACK.fullmatch(piece)
+    if fallback:  # SentencePiece byte fallback
+        return bytes([int(fallback.group(1), 16)])
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    if "\u2581" in piece:  # SentencePiece's word boundary
+        text = piece.replace("\u2581", " ")
+    return text.encode("utf-8")
 
 
 def _raise(message: str) -> None:

@@ -39,6 +39,26 @@ class LlmParameters(Strict):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
 
 
+class EngineParameters(LlmParameters):
+    """The parameters of an LLM on its engine or the llmapi contract (the ensemble takes only
+    LlmParameters: what it cannot pass on is refused, never dropped)."""
+
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # The log-probability of each generated token (outputs.logprobs), with this many of the
+    # most likely alternatives at each position (engine contract only).
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    # Requests with the same key prefer the same replica (routing affinity, per model).
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> EngineParameters:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
 class TextInputs(Strict):
     text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, examples=["a cat sits on the mat"])
 

@@ -8,7 +8,21 @@ lists. Responses carry output_ids, detokenized incrementally so that streamed pi
 joined, equal the final text. Every record carries usage (prompt and completion
 tokens). Cancelling the gRPC stream cancels the generation (the engine checks every
 cancellation_check_period_ms). A run interrupted after sending tokens is resumed by
-a new run that continues from them."""
+a new run that continues from them.
+
+What else of TensorRT-LLM's engine contract it uses:
+- logprobs: return_log_probs, read from output_log_probs (each new token's log-probability);
+  top_logprobs > 0 also asks for return_generation_logits and takes the most likely
+  alternatives at each position from generation_logits (the raw logits; the engine must be
+  built to gather them). outputs.logprobs holds, per generated token, OpenAI's
+  {token, logprob, bytes, top_logprobs}.
+- guided decoding: guided_decoding_guide_type / guided_decoding_guide (json, json_schema,
+  regex, ebnf_grammar; the engine needs a guided-decoding backend).
+- prefix-cache hits: return_perf_metrics on every request; kv_cache_reused_blocks x
+  tokens_per_block becomes usage.cached_tokens.
+- presence_penalty and frequency_penalty.
+Tools (OpenAI function definitions) are rendered into the prompt by the chat template
+(gateway.server.llm.tools); the calls are read from the text by the OpenAI layer."""
 
 from __future__ import annotations
 
@@ -22,8 +36,8 @@ from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 from gateway.protocol import Usage
 from gateway.server.llm.detokenizer import Detokenizer
 from gateway.server.llm.tokenizer import ChatTemplateError, LlmTokenizer, word_list
-from gateway.server.models.base import InvalidInput, ModelAdapter, Piece, Resume, Run, check, tensor
-from gateway.server.models.inputs import MAX_TEXT_CHARS, LlmParameters, Strict, Word
+from gateway.server.models.base import InvalidInput, ModelAdapter, Piece, Resume, Run, bytes_tensor, check, tensor
+from gateway.server.models.inputs import MAX_TEXT_CHARS, EngineParameters, Strict, Word
 from gateway.server.routing.blocks import block_keys
 
 if TYPE_CHECKING:
@@ -32,9 +46,48 @@ if TYPE_CHECKING:
 Content = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
 
 
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class CalledFunction(Strict):
+    name: Name
+    arguments: Content  # JSON text
+
+
+class ToolCall(Strict):
+    """A call an assistant message made (to render an earlier turn)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # assistant
+    tool_call_id: str | None = Field(default=None, max_length=256)  # tool
+
+
+class FunctionDefinition(Strict):
+    name: Name
+    description: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(Strict):
+    """A tool the chat template offers the model (OpenAI's function tool)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class GuidedDecoding(Strict):
+    """TensorRT-LLM's guided decoding: the output follows this grammar."""
+
+    guide_type: Literal["json", "json_schema", "regex", "ebnf_grammar"]
+    guide: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
 
 
 class EngineInputs(Strict):
@@ -43,18 +96,22 @@ class EngineInputs(Strict):
     max_tokens: int = Field(default=64, ge=1, le=32768)
     stop_words: list[Word] = Field(default_factory=list, max_length=16)
     bad_words: list[Word] = Field(default_factory=list, max_length=64)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    guided_decoding: GuidedDecoding | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> EngineInputs:
         if (self.text_input is None) == (self.messages is None):
             raise ValueError("give exactly one of text_input or messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools are for messages (the chat template renders them)")
         return self
 
 
 @dataclass
 class EngineRequest:
     inputs: EngineInputs
-    parameters: LlmParameters
+    parameters: EngineParameters
     prompt_ids: list[int]
     max_tokens: int
     stop_ids: list[list[int]]
@@ -73,6 +130,8 @@ class EngineRun(Run):
         self.detok = Detokenizer(adapter.tokenizer.tokenizer)
         self.pending: list[int] = []  # generated ids whose text is not complete yet
         self.sent = 0
+        self.logprobs: list[dict[str, Any]] = []  # OpenAI's entries, for the tokens this process saw
+        self.reused_blocks: int | None = None  # prompt blocks the engine served from its cache
         if resume is not None and resume.token_ids:
             self.generated = list(resume.token_ids)
             self.detok.prime(self.generated)
@@ -100,24 +159,50 @@ class EngineRun(Run):
             ("runtime_top_k", s.top_k, np.int32, "INT32"),
             ("runtime_top_p", s.top_p, np.float32, "FP32"),
             ("repetition_penalty", s.repetition_penalty, np.float32, "FP32"),
+            ("presence_penalty", s.presence_penalty, np.float32, "FP32"),
+            ("frequency_penalty", s.frequency_penalty, np.float32, "FP32"),
             ("seed", s.seed, np.uint64, "UINT64"),
         )
         for name, value, dtype, datatype in scalars:
             if value is not None:
                 items.append(tensor(name, np.array([[value]], dtype=dtype), datatype))
+        flags = (
+            ("return_log_probs", s.logprobs),
+            ("return_generation_logits", s.top_logprobs > 0),
+            ("return_perf_metrics", True),
+        )
+        for name, value in flags:
+            if value:
+                items.append(tensor(name, np.array([[True]], dtype=np.bool_), "BOOL"))
+        guided = p.inputs.guided_decoding
+        if guided is not None:
+            items.append(bytes_tensor("guided_decoding_guide_type", guided.guide_type.encode()))
+            if guided.guide is not None:
+                items.append(bytes_tensor("guided_decoding_guide", guided.guide.encode("utf-8")))
         return items
 
     def outputs(self) -> list[InferRequestedOutput]:
-        return [InferRequestedOutput("output_ids"), InferRequestedOutput("sequence_length")]
+        names = ["output_ids", "sequence_length", "kv_cache_reused_blocks"]
+        if self.prepared.parameters.logprobs:
+            names.append("output_log_probs")
+        if self.prepared.parameters.top_logprobs:
+            names.append("generation_logits")
+        return [InferRequestedOutput(name) for name in names]
 
     def take(self, result: InferResult) -> list[Piece]:
         ids = result.as_numpy("output_ids")
         lengths = result.as_numpy("sequence_length")
+        reused = _optional(result, "kv_cache_reused_blocks")
+        if reused is not None and reused.size:
+            self.reused_blocks = int(reused.reshape(-1)[0])
         if ids is None:
             return []
         count = int(lengths.reshape(-1)[0]) if lengths is not None else ids.reshape(-1).shape[0]
+        tokens = [int(t) for t in ids.reshape(-1)[:count].tolist()]
+        if self.prepared.parameters.logprobs:
+            self._take_logprobs(result, tokens)
         pieces = []
-        for token in ids.reshape(-1)[:count].tolist():
+        for token in tokens:
             self.generated.append(int(token))
             self.pending.append(int(token))
             text = self.detok.step(int(token))
@@ -126,6 +211,28 @@ class EngineRun(Run):
                 self.pending = []
         self.sent += len(pieces)
         return pieces
+
+    def _take_logprobs(self, result: InferResult, tokens: list[int]) -> None:
+        """OpenAI's logprobs entries for these tokens: each one's log-probability (the
+        engine's output_log_probs) and, if asked, the most likely alternatives (from the raw
+        generation logits)."""
+        values = _optional(result, "output_log_probs")
+        chosen = values.reshape(-1)[: len(tokens)].tolist() if values is not None else []
+        top = self.prepared.parameters.top_logprobs
+        logits = _optional(result, "generation_logits") if top else None
+        rows = logits.reshape(len(tokens), -1) if logits is not None and tokens and logits.size else None
+        tokenizer = self.adapter.tokenizer
+        for position, token in enumerate(tokens):
+            entry = _entry(tokenizer, token, chosen[position] if position < len(chosen) else None)
+            if rows is not None:
+                row = rows[position].astype(np.float64)
+                logprobs = row - row.max() - np.log(np.exp(row - row.max()).sum())
+                best = np.argpartition(-logprobs, min(top, len(row) - 1))[:top]
+                best = best[np.argsort(-logprobs[best])]
+                entry["top_logprobs"] = [_entry(tokenizer, int(t), float(logprobs[t])) for t in best]
+                if entry["logprob"] is None:
+                    entry["logprob"] = float(logprobs[token])
+            self.logprobs.append(entry)  # (logprob None: the engine sent none for it)
 
     def flush(self) -> list[Piece]:
         rest = self.detok.finish()
@@ -138,8 +245,10 @@ class EngineRun(Run):
         p = self.prepared
         stopped_by_word = any(w and self.generated[-len(w) :] == w for w in p.stop_ids)
         length = len(self.generated) >= p.max_tokens and not stopped_by_word
-        outputs = {"text_output": self.detok.text, "finish_reason": "length" if length else "stop"}
-        return outputs, Usage(prompt_tokens=len(p.prompt_ids), completion_tokens=len(self.generated))
+        outputs: dict[str, Any] = {"text_output": self.detok.text, "finish_reason": "length" if length else "stop"}
+        if p.parameters.logprobs:
+            outputs["logprobs"] = self.logprobs
+        return outputs, self.adapter.usage(p, len(self.generated), self.reused_blocks)
 
     @property
     def produced(self) -> bool:
@@ -148,12 +257,35 @@ class EngineRun(Run):
     def carry_from(self, previous: Run) -> None:
         if isinstance(previous, EngineRun):
             self.generated, self.detok, self.pending = previous.generated, previous.detok, previous.pending
+            self.logprobs = previous.logprobs
+
+
+def _optional(result: InferResult, name: str) -> np.ndarray | None:
+    """An output this response may not carry."""
+    try:
+        return result.as_numpy(name)
+    except Exception:
+        return None
+
+
+def _entry(tokenizer: LlmTokenizer, token: int, logprob: float | None) -> dict[str, Any]:
+    data = tokenizer.token_bytes(token)
+    return {
+        "token": data.decode("utf-8", errors="replace"),
+        "logprob": logprob,
+        "bytes": list(data),
+        "top_logprobs": [],
+    }
 
 
 class EngineLlmAdapter(ModelAdapter):
     kind = "llm"
     decoupled = True
     resumable = True
+    # What the contract can do beyond text (the OpenAI layer refuses the rest by name).
+    features: frozenset[str] = frozenset(
+        {"logprobs", "top_logprobs", "guided_decoding", "tools", "penalties", "repetition_penalty", "prompt_cache_key"}
+    )
 
     def __init__(self, spec: ModelSpec, triton_model: str, *, tokenizer_dir: str) -> None:
         super().__init__(spec.name, triton_model)
@@ -165,17 +297,26 @@ class EngineLlmAdapter(ModelAdapter):
 
     def validate(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> EngineRequest:
         prepared = check(EngineInputs, inputs, self.name, "invalid_inputs")
-        sampling = check(LlmParameters, parameters, self.name, "invalid_inputs")
+        sampling = check(EngineParameters, parameters, self.name, "invalid_inputs")
         return self.prepare(prepared, sampling)
 
-    def prepare(self, inputs: EngineInputs, parameters: LlmParameters) -> EngineRequest:
-        if inputs.messages is not None:
-            try:
-                text = self.tokenizer.render_chat([m.model_dump() for m in inputs.messages])
-            except ChatTemplateError as exc:
-                raise InvalidInput("invalid_inputs", f"{self.name}: {exc}") from None
-        else:
-            text = inputs.text_input or ""
+    def render(self, inputs: EngineInputs) -> str:
+        """The prompt text: text_input, or the messages (and tools) through the chat template."""
+        if inputs.messages is None:
+            return inputs.text_input or ""
+        tools = [t.model_dump(exclude_none=True) for t in inputs.tools] if inputs.tools else None
+        try:
+            return self.tokenizer.render_chat([m.model_dump(exclude_none=True) for m in inputs.messages], tools=tools)
+        except ChatTemplateError as exc:
+            raise InvalidInput("invalid_inputs", f"{self.name}: {exc}") from None
+
+    def usage(self, prepared: EngineRequest, completion: int, reused_blocks: int | None) -> Usage:
+        prompt = len(prepared.prompt_ids)
+        cached = None if reused_blocks is None else min(prompt, reused_blocks * self.tokens_per_block)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+
+    def prepare(self, inputs: EngineInputs, parameters: EngineParameters) -> EngineRequest:
+        text = self.render(inputs)
         ids = self.tokenizer.encode(text)
         if not ids:
             raise InvalidInput("invalid_inputs", f"{self.name}: the prompt is empty after tokenization")

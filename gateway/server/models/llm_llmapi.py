@@ -7,7 +7,16 @@ messages rendered with its chat template): to refuse a prompt over the context b
 anything is queued (422 prompt_too_long), to route by the prompt's block keys, and to count
 usage (prompt tokens from the prompt, completion tokens from the text that came back). It
 sends the text as `text_input` with `sampling_param_*` inputs (max_tokens, stop strings,
-temperature, top_k, top_p, seed), `streaming`, and asks for finish_reason and stop_reason.
+temperature, top_k, top_p, seed, presence and frequency penalties), `streaming`, and asks
+for finish_reason and stop_reason, and for the per-request perf metrics
+(sampling_param_return_perf_metrics), whose kv_cache_reused_block x tokens_per_block is
+usage.cached_tokens (the real model.py sends these metrics as strings).
+
+The contract has no way to ask for per-token log probabilities (SamplingParams.logprobs is
+not one of its inputs; cumulative_logprob comes back "None" without it), for guided
+decoding, for bad words or for a repetition penalty: those are refused by name. Tools work
+(the gateway renders them into the prompt); a forced tool call needs guided decoding and is
+refused.
 
 In streaming mode each response of the real model carries the text so far (the LLM API's
 CompletionOutput.text); TEXT_SO_FAR says so, and the run turns it into exact deltas, so the
@@ -27,9 +36,8 @@ import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import Usage
-from gateway.server.llm.tokenizer import ChatTemplateError
 from gateway.server.models.base import InvalidInput, Piece, Resume, Run, check, tensor
-from gateway.server.models.inputs import LlmParameters
+from gateway.server.models.inputs import EngineParameters
 from gateway.server.models.llm_engine import EngineInputs, EngineLlmAdapter, EngineRequest
 
 if TYPE_CHECKING:
@@ -75,6 +83,7 @@ class LlmapiRun(Run):
         self.skip = skip  # pieces an earlier run of this request already sent
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
+        self.reused_blocks: int | None = None  # prompt blocks the backend served from its cache
 
     def inputs(self, stream: bool) -> list[InferInput]:
         p = self.prepared
@@ -84,6 +93,7 @@ class LlmapiRun(Run):
             _vector("sampling_param_max_tokens", [p.max_tokens], np.int32, "INT32"),
             # The model's default (false) puts the prompt before the generated text.
             _vector("sampling_param_exclude_input_from_output", [True], np.bool_, "BOOL"),
+            _vector("sampling_param_return_perf_metrics", [True], np.bool_, "BOOL"),
             _vector("return_finish_reason", [True], np.bool_, "BOOL"),
             _vector("return_stop_reason", [True], np.bool_, "BOOL"),
         ]
@@ -96,6 +106,8 @@ class LlmapiRun(Run):
             ("sampling_param_top_k", s.top_k, np.int32, "INT32"),
             ("sampling_param_top_p", s.top_p, np.float32, "FP32"),
             ("sampling_param_seed", s.seed, np.uint64, "UINT64"),
+            ("sampling_param_presence_penalty", s.presence_penalty, np.float32, "FP32"),
+            ("sampling_param_frequency_penalty", s.frequency_penalty, np.float32, "FP32"),
         )
         for name, value, dtype, datatype in scalars:
             if value is not None:
@@ -103,13 +115,17 @@ class LlmapiRun(Run):
         return items
 
     def outputs(self) -> list[InferRequestedOutput]:
-        return [InferRequestedOutput(name) for name in ("text_output", "finish_reason", "stop_reason")]
+        names = ("text_output", "finish_reason", "stop_reason", "kv_cache_reused_block")
+        return [InferRequestedOutput(name) for name in names]
 
     def take(self, result: InferResult) -> list[Piece]:
         for name in ("finish_reason", "stop_reason"):
             values = [v for v in _strings(result, name) if v and v != "None"]  # "None": str(None), not yet
             if values:
                 setattr(self, name, values[0])
+        reused = [v for v in _strings(result, "kv_cache_reused_block") if v.strip().isdigit()]
+        if reused:
+            self.reused_blocks = int(reused[0])
         texts = _strings(result, "text_output")
         if not texts:
             return []
@@ -143,7 +159,7 @@ class LlmapiRun(Run):
         outputs: dict[str, Any] = {"text_output": text, "finish_reason": reason}
         if self.stop_reason is not None:
             outputs["stop_reason"] = self.stop_reason
-        return outputs, Usage(prompt_tokens=len(p.prompt_ids), completion_tokens=completion)
+        return outputs, self.adapter.usage(p, completion, self.reused_blocks)
 
     @property
     def produced(self) -> bool:
@@ -154,6 +170,7 @@ class LlmapiLlmAdapter(EngineLlmAdapter):
     """The engine adapter's admission, chat rendering and routing keys; a text contract."""
 
     resumable = False
+    features: frozenset[str] = frozenset({"tools", "penalties", "prompt_cache_key"})
 
     def __init__(self, spec: ModelSpec, triton_model: str, *, tokenizer_dir: str, text_so_far: bool = TEXT_SO_FAR):
         super().__init__(spec, triton_model, tokenizer_dir=tokenizer_dir)
@@ -161,24 +178,25 @@ class LlmapiLlmAdapter(EngineLlmAdapter):
 
     def validate(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> LlmapiRequest:
         prepared = check(EngineInputs, inputs, self.name, "invalid_inputs")
-        sampling = check(LlmParameters, parameters, self.name, "invalid_inputs")
-        # The llmapi model's inputs have no bad words and no repetition penalty.
-        if prepared.bad_words:
-            raise InvalidInput("invalid_inputs", f"{self.name}: bad_words is not supported by the llmapi contract")
-        if sampling.repetition_penalty is not None:
-            raise InvalidInput(
-                "invalid_inputs", f"{self.name}: repetition_penalty is not supported by the llmapi contract"
-            )
+        sampling = check(EngineParameters, parameters, self.name, "invalid_inputs")
+        # What the llmapi model's inputs cannot ask for.
+        refused = {
+            "bad_words": bool(prepared.bad_words),
+            "guided_decoding": prepared.guided_decoding is not None,
+            "repetition_penalty": sampling.repetition_penalty is not None,
+            "logprobs": sampling.logprobs,
+        }
+        for name, used in refused.items():
+            if used:
+                raise InvalidInput(
+                    "invalid_inputs",
+                    f"{self.name}: {name} is not supported by the llmapi contract",
+                    details={"param": name},
+                )
         return self.prepare(prepared, sampling)
 
-    def prepare(self, inputs: EngineInputs, parameters: LlmParameters) -> LlmapiRequest:
-        if inputs.messages is not None:
-            try:
-                text = self.tokenizer.render_chat([m.model_dump() for m in inputs.messages])
-            except ChatTemplateError as exc:
-                raise InvalidInput("invalid_inputs", f"{self.name}: {exc}") from None
-        else:
-            text = inputs.text_input or ""
+    def prepare(self, inputs: EngineInputs, parameters: EngineParameters) -> LlmapiRequest:
+        text = self.render(inputs)
         # The engine adapter's checks, on the text as it will be sent (already rendered).
         rendered = EngineInputs.model_construct(text_input=text, max_tokens=inputs.max_tokens)
         request = super().prepare(rendered, parameters)

@@ -9,7 +9,11 @@ simply stops renewing; another (or the same, restarted) takes the batch over.
 Each valid line becomes ordinary durable requests in the `batch` band, submitted with
 the idempotency key batch:<batch>:<line>:<n>, so a line submitted again after a
 takeover is the same request, never a second one. At most BATCH_WINDOW lines are
-submitted and unfinished at once; the rest wait in MongoDB."""
+submitted and unfinished at once; the rest wait in MongoDB.
+
+A batch that ends sends its tenant's OpenAI webhook endpoint the OpenAI-style event of how
+it ended (batch.completed, batch.failed, batch.cancelled, batch.expired), through the
+binder's webhook queue (gateway/common/webhooks.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 from pymongo import ReturnDocument, UpdateOne
 
+from gateway.common.webhooks import enqueue_openai_event
 from gateway.protocol import ResultRecord
 from gateway.protocol.http import InferRequest
 from gateway.server.api.errors import ApiError
@@ -39,7 +44,7 @@ from gateway.server.openai.batches import (
     BatchStore,
 )
 from gateway.server.openai.chat import chat_completion, chat_request, completion_request, text_completion
-from gateway.server.openai.common import raise_for_record
+from gateway.server.openai.common import raise_for_record, tokens_per_block
 from gateway.server.openai.embeddings import embedding_adapter, embedding_requests, embeddings_response
 from gateway.server.openai.errors import error_status, openai_error_body
 from gateway.server.openai.files import OUTPUT_PURPOSE
@@ -72,10 +77,13 @@ def native_requests(
     """The ordinary requests behind one line (raises ApiError or ValidationError); labels
     go into their records' metadata."""
     parsed = _parse(endpoint, body)
+    # Several choices without a seed get seeds derived from the line, so a line submitted
+    # again is the same requests.
+    seed_key = f"{labels.get('batch_id')}:{labels.get('custom_id')}" if labels else None
     if isinstance(parsed, ChatCompletionRequest):
-        natives = [chat_request(parsed, svc)]
+        natives = chat_request(parsed, svc, seed_key)
     elif isinstance(parsed, CompletionRequest):
-        natives = [completion_request(parsed, svc)]
+        natives = completion_request(parsed, svc, seed_key)
     else:
         natives = embedding_requests(parsed, svc)
     timeout_s = svc.settings.max_timeout_s
@@ -91,10 +99,12 @@ def line_response(endpoint: str, body: dict[str, Any], records: list[ResultRecor
     try:
         if isinstance(parsed, EmbeddingRequest):
             return 200, embeddings_response(records, embedding_adapter(svc, parsed), parsed)
-        raise_for_record(records[0])
+        for record in records:
+            raise_for_record(record)
+        tpb = tokens_per_block(svc, parsed.model)
         if isinstance(parsed, ChatCompletionRequest):
-            return 200, chat_completion(records[0], parsed.model)
-        return 200, text_completion(records[0], parsed.model)
+            return 200, chat_completion(records, parsed, tpb)
+        return 200, text_completion(records, parsed, tpb)
     except ApiError as exc:
         return error_status(exc.status), openai_error_body(exc.status, exc.code, exc.message, exc.details)
 
@@ -207,9 +217,18 @@ class BatchRunner:
     async def _fail(self, batch: dict[str, Any], code: str, message: str) -> dict[str, Any]:
         error = {"code": code, "message": message, "param": "input_file_id", "line": None}
         errors = {"object": "list", "data": [error]}
-        return await self._renew(
+        failed = await self._renew(
             batch["_id"], {"status": "failed", "failed_at": int(time.time()), "errors": errors, "lease_until": 0.0}
         )
+        await self._announce(batch, "failed")
+        return failed
+
+    async def _announce(self, batch: dict[str, Any], ending: str) -> None:
+        """The batch's OpenAI webhook event (best effort: the batch has ended either way)."""
+        try:
+            await enqueue_openai_event(self.svc.redis, batch["tenant"], f"batch.{ending}", batch["_id"])
+        except Exception as exc:
+            log.warning("batch %s: queueing its batch.%s webhook failed: %s", batch["_id"], ending, exc)
 
     async def validate(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Read the input file into line documents (invalid lines end at once, failed)."""
@@ -384,6 +403,7 @@ class BatchRunner:
         )
         await self.store.lines.delete_many({"batch": batch_id})
         log.info("batch %s %s: %s", batch_id, ending, counts)
+        await self._announce(batch, ending)
 
 
 def _invalid_refusal(exc: Refused) -> dict[str, Any]:

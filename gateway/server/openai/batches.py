@@ -21,7 +21,7 @@ from pymongo import AsyncMongoClient, ReturnDocument
 from gateway.protocol import new_request_id
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.openai.schemas import BATCH_ENDPOINTS, BatchRequest
+from gateway.server.openai.schemas import BATCH_ENDPOINTS, BatchRequest, refuse_unsupported
 from gateway.server.services import services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -102,6 +102,7 @@ def _not_found(batch_id: str) -> ApiError:
 @router.post("/batches", summary="Create a batch (OpenAI)")
 async def create_batch(body: BatchRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
     svc = services(request)
+    refuse_unsupported(body, "batches")
     if body.endpoint not in BATCH_ENDPOINTS:
         raise ApiError(
             400,

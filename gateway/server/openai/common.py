@@ -1,12 +1,16 @@
-"""What the /v1 routes share: turning a call into an ordinary durable request, waiting
-for its record, following its events, and mapping outcomes to OpenAI's shapes."""
+"""What the /v1 routes share: turning a call into ordinary durable requests, waiting for
+their records, following their events, and mapping outcomes to OpenAI's shapes (usage with
+cached tokens, service tiers, logprobs, tool calls)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -17,7 +21,7 @@ from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller
 from gateway.server.models import InvalidInput, ModelAdapter
 from gateway.server.models.llm_engine import EngineLlmAdapter
-from gateway.server.openai.schemas import Message, Sampling
+from gateway.server.openai.schemas import TEXT_PARTS, Message, unsupported
 from gateway.server.results.events import StreamEvent
 from gateway.server.services import Services
 
@@ -25,6 +29,8 @@ from gateway.server.services import Services
 WEBHOOK_HEADER = "X-Webhook-Url"
 # Default completion budget where the caller gives none (the engine caps it at its context).
 DEFAULT_MAX_TOKENS = 512
+# service_tier priority runs in the high band (the native priority of this value).
+PRIORITY_TIER = 5
 
 
 def llm(svc: Services, model: str, *, chat: bool) -> ModelAdapter:
@@ -44,6 +50,28 @@ def llm(svc: Services, model: str, *, chat: bool) -> ModelAdapter:
     return adapter
 
 
+# An ensemble (tensorrtllm_backend's text ensemble) passes the sampling inputs it has on.
+ENSEMBLE_FEATURES = frozenset({"repetition_penalty"})
+
+
+def features(adapter: ModelAdapter) -> frozenset[str]:
+    """What the model's contract can do beyond text (llm_engine.py, llm_llmapi.py)."""
+    found = getattr(adapter, "features", None)
+    return found if isinstance(found, frozenset) else ENSEMBLE_FEATURES
+
+
+def require(adapter: ModelAdapter, feature: str, param: str, what: str | None = None) -> None:
+    """Refuse `param` by name unless the model's contract has the feature."""
+    if feature not in features(adapter):
+        mode = getattr(getattr(adapter, "spec", None), "mode", "ensemble")
+        raise unsupported(param, f"{what or param} is not supported by {adapter.name} (its {mode} contract)")
+
+
+def tokens_per_block(svc: Services, model: str) -> int:
+    spec = svc.registry.specs.get(model)
+    return spec.tokens_per_block if spec is not None else 32
+
+
 def webhook(request: Request) -> WebhookSpec | None:
     url = request.headers.get(WEBHOOK_HEADER)
     if not url:
@@ -54,27 +82,73 @@ def webhook(request: Request) -> WebhookSpec | None:
         raise ApiError(400, "invalid_webhook", f"{WEBHOOK_HEADER}: {exc}") from None
 
 
-def parameters(body: Sampling) -> dict[str, Any]:
-    found = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
-    return {k: v for k, v in found.items() if v is not None}
+@dataclass(frozen=True)
+class Tier:
+    """A service_tier as run: the native priority, whether it is flex (the batch band), and
+    what the answer echoes (auto and default run as default)."""
+
+    priority: int = 0
+    flex: bool = False
+    name: str = "default"
 
 
-def metadata(body: Sampling, kind: str) -> dict[str, str]:
-    found = {**(body.metadata or {}), "api": kind}
-    if body.user:
+DEFAULT_TIER = Tier()
+
+
+def tier(value: str | None) -> Tier:
+    if value in (None, "auto", "default"):
+        return Tier()
+    if value == "flex":
+        return Tier(flex=True, name="flex")
+    if value == "priority":
+        return Tier(priority=PRIORITY_TIER, name="priority")
+    raise unsupported("service_tier", f"service_tier {value} is not supported: use auto, default, flex or priority")
+
+
+def timeout_for(svc: Services, run_as: Tier) -> float | None:
+    """Flex requests wait as long as any request may (a long deadline); others the default."""
+    return svc.settings.max_timeout_s if run_as.flex else None
+
+
+def metadata(body: Any, kind: str, run_as: Tier | None = None) -> dict[str, str]:
+    found = {**(getattr(body, "metadata", None) or {}), "api": kind}
+    if getattr(body, "user", None):
         found["user"] = body.user[:512]
+    if getattr(body, "safety_identifier", None):
+        found["safety_identifier"] = body.safety_identifier[:512]
+    if run_as is not None and run_as.name != "default":
+        found["service_tier"] = run_as.name
     return found
 
 
-def refuse_n(body: Sampling) -> None:
-    if body.n != 1:
-        raise ApiError(
-            400, "unsupported_parameter", "n > 1 is not supported: send n separate requests", details={"param": "n"}
-        )
-
-
-def messages(items: list[Message]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text()} for m in items]
+def messages(items: list[Message]) -> list[dict[str, Any]]:
+    """Chat messages as the engine adapter takes them (text content, tool calls, results);
+    non-text content parts are refused by their type."""
+    shaped = []
+    for index, m in enumerate(items):
+        if isinstance(m.content, list):
+            for part_index, part in enumerate(m.content):
+                if part.type not in TEXT_PARTS:
+                    raise unsupported(
+                        f"messages[{index}].content[{part_index}].type",
+                        f"content parts of type {part.type} are not supported: these models read text",
+                    )
+        item: dict[str, Any] = {"role": m.role, "content": m.text() if m.content is not None else None}
+        if m.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            item["tool_call_id"] = m.tool_call_id
+        if item["content"] is None and not m.tool_calls:
+            item["content"] = ""
+        shaped.append(item)
+    return shaped
 
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -89,7 +163,9 @@ def idempotency_key(request: Request) -> str | None:
     return key
 
 
-async def start(svc: Services, who: Caller, request: Request, bodies: list[InferRequest]) -> list[str]:
+async def start(
+    svc: Services, who: Caller, request: Request, bodies: list[InferRequest], *, flex: bool = False
+) -> list[str]:
     """Queue the ordinary requests behind one call (all or none); their ids. With an
     Idempotency-Key the same call again answers with the first call's requests."""
     hook = webhook(request)
@@ -99,7 +175,7 @@ async def start(svc: Services, who: Caller, request: Request, bodies: list[Infer
     keys = [key] if key is not None and len(bodies) == 1 else None
     if key is not None and len(bodies) > 1:
         keys = [f"{key}:{n}" for n in range(len(bodies))]
-    return (await svc.submitter.submit_many(who, bodies, idempotency_keys=keys)).request_ids
+    return (await svc.submitter.submit_many(who, bodies, idempotency_keys=keys, flex=flex)).request_ids
 
 
 async def wait_record(svc: Services, who: Caller, request_id: str, timeout_s: float) -> ResultRecord:
@@ -110,6 +186,11 @@ async def wait_record(svc: Services, who: Caller, request_id: str, timeout_s: fl
             return outcome
         if time.monotonic() > deadline:
             raise after_acceptance(504, "timeout", f"{request_id} did not end in time")
+
+
+async def wait_records(svc: Services, who: Caller, request_ids: list[str], timeout_s: float) -> list[ResultRecord]:
+    records = await asyncio.gather(*(wait_record(svc, who, rid, timeout_s) for rid in request_ids))
+    return list(records)
 
 
 # The request behind the call was accepted and ended: calling again would make another
@@ -151,6 +232,37 @@ async def follow(svc: Services, request_id: str) -> AsyncIterator[StreamEvent]:
             await asyncio.shield(svc.jobs.cancel(request_id))
 
 
+async def follow_all(svc: Services, request_ids: list[str]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The events of several requests as they come, each with its request's index; every
+    request still running is cancelled if the caller goes away."""
+    if len(request_ids) == 1:
+        async for event in follow(svc, request_ids[0]):
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
+
+    async def pump(index: int, request_id: str) -> None:
+        try:
+            async for event in follow(svc, request_id):
+                await queue.put((index, event))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(request_ids)]
+    try:
+        running = len(tasks)
+        while running:
+            index, found = await queue.get()
+            if found is None:
+                running -= 1
+            else:
+                yield index, found
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def token_text(event: StreamEvent) -> str:
     return str(json.loads(event.data).get("text_output", ""))
 
@@ -159,10 +271,39 @@ def record_of(event: StreamEvent) -> ResultRecord:
     return ResultRecord.model_validate_json(event.data)
 
 
-def usage(record: ResultRecord) -> dict[str, int]:
-    prompt = record.usage.prompt_tokens if record.usage else 0
-    completion = record.usage.completion_tokens if record.usage else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def cached_tokens(record: ResultRecord, tpb: int) -> int:
+    """The prompt tokens the engine served from its prefix cache, as it reported them; for
+    an engine that reported nothing, the router's estimate: the prompt blocks the chosen
+    replica was last sent (Route.matched_blocks)."""
+    usage = record.usage
+    if usage is None:
+        return 0
+    if usage.cached_tokens is not None:
+        return usage.cached_tokens
+    matched = record.route.matched_blocks if record.route else 0
+    return min(max(0, usage.prompt_tokens - 1), matched * tpb)
+
+
+def usage(records: Iterable[ResultRecord], tpb: int = 32) -> dict[str, Any]:
+    """OpenAI's usage of the requests behind one call, summed (n choices are n requests:
+    each prompt is counted, and the prefix cache's reuse shows in cached_tokens)."""
+    prompt = completion = cached = 0
+    for record in records:
+        prompt += record.usage.prompt_tokens if record.usage else 0
+        completion += record.usage.completion_tokens if record.usage else 0
+        cached += cached_tokens(record, tpb)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
 
 
 def finish_reason(record: ResultRecord) -> str:
@@ -171,3 +312,22 @@ def finish_reason(record: ResultRecord) -> str:
 
 def created(record_or_now: ResultRecord | None = None) -> int:
     return int(record_or_now.created_at.timestamp()) if record_or_now else int(time.time())
+
+
+def call_id(request_id: str, index: int) -> str:
+    """A tool call's id: stable for the request, so a stream and a later read agree."""
+    return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
+
+
+def logprobs_of(record: ResultRecord) -> list[dict[str, Any]]:
+    """OpenAI's logprobs content entries of the request (the engine adapter made them)."""
+    found = (record.outputs or {}).get("logprobs")
+    return list(found) if isinstance(found, list) else []
+
+
+def obfuscation(text: str) -> str:
+    """Random padding for a streamed delta (OpenAI's include_obfuscation): the delta and its
+    padding together come to a multiple of 16 characters, at least 16, so the size of an
+    event does not tell how long its text is."""
+    size = 16 - len(text) % 16
+    return secrets.token_urlsafe(size)[:size]

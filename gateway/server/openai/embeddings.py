@@ -2,7 +2,7 @@
 list. Each input is an ordinary durable request (its vector goes into the index like
 any other), admitted together with the call's other inputs or not at all; the answer
 gathers them in order. `dimensions` is refused: these models
-have a fixed size."""
+have a fixed size. `input` takes strings (token arrays are refused by their type)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from gateway.server.api.tenancy import Caller, caller
 from gateway.server.models import InvalidInput
 from gateway.server.models.embedding import EmbeddingAdapter
 from gateway.server.openai import common
-from gateway.server.openai.schemas import EmbeddingRequest
+from gateway.server.openai.schemas import EmbeddingRequest, refuse_unsupported
 from gateway.server.services import Services, services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -37,6 +37,7 @@ def embedding_adapter(svc: Services, body: EmbeddingRequest) -> EmbeddingAdapter
         raise ApiError(404, "model_not_found", exc.message, details={"param": "model"}) from None
     if not isinstance(adapter, EmbeddingAdapter) or adapter.input_kind != "text":
         raise ApiError(400, "invalid_model", f"{body.model} does not embed text", details={"param": "model"})
+    refuse_unsupported(body, "embeddings")
     if body.dimensions is not None:
         size = f"{adapter.dimensions} dimensions" if adapter.dimensions else "a fixed number of dimensions"
         raise ApiError(

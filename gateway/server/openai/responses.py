@@ -4,7 +4,13 @@
 With background=true the answer is immediate (status queued) and the work is an
 ordinary durable request: it survives the client's disconnect and a gateway restart.
 Streamed events get sequence numbers derived from the request's own event stream (which
-only grows), so resuming after sequence number N gives exactly what followed N."""
+only grows), so resuming after sequence number N gives exactly what followed N.
+
+text.format json_object / json_schema is guided decoding on the engine; include
+message.output_text.logprobs (and top_logprobs) puts each token's log-probability in the
+output text; service_tier and prompt_cache_key work as on chat completions; usage has
+input_tokens_details.cached_tokens. A background response that ends is announced to the
+tenant's OpenAI webhook endpoint (the binder sends response.completed and the others)."""
 
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from gateway.protocol.http import InferRequest, LiveStatus
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai import common
-from gateway.server.openai.schemas import Message, ResponseRequest
+from gateway.server.openai.chat import parameters
+from gateway.server.openai.schemas import INCLUDE_LOGPROBS, Message, ResponseRequest, refuse_unsupported, unsupported
 from gateway.server.results.events import StreamEvent
 from gateway.server.services import Services, services
 
@@ -49,15 +56,14 @@ def request_id_of(value: str) -> str:
 
 
 def response_request(body: ResponseRequest, svc: Services) -> InferRequest:
-    common.llm(svc, body.model, chat=True)
-    common.refuse_n(body)
-    if body.previous_response_id:
-        raise ApiError(
-            400,
-            "unsupported_parameter",
-            "previous_response_id is not supported; send the whole conversation as input",
-            details={"param": "previous_response_id"},
-        )
+    adapter = common.llm(svc, body.model, chat=True)
+    refuse_unsupported(body, "responses")
+    run_as = common.tier(body.service_tier)
+    for index, item in enumerate(body.include or []):
+        if item != INCLUDE_LOGPROBS:
+            raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
+    # top_logprobs asks for log-probabilities as much as the include does.
+    logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
     items = (
         [Message(role="user", content=body.input)]
         if isinstance(body.input, str)
@@ -65,32 +71,68 @@ def response_request(body: ResponseRequest, svc: Services) -> InferRequest:
     )
     if body.instructions:
         items.insert(0, Message(role="system", content=body.instructions))
-    inputs = {
+    inputs: dict[str, Any] = {
         "messages": common.messages(items),
         "max_tokens": body.max_output_tokens or common.DEFAULT_MAX_TOKENS,
-        "stop_words": body.stop_words(),
     }
-    labels = common.metadata(body, "responses") | {"background": "true" if body.background else "false"}
+    text_format = body.text.format if body.text is not None else None
+    labels = common.metadata(body, "responses", run_as) | {"background": "true" if body.background else "false"}
+    if text_format is not None and text_format.type != "text":
+        common.require(adapter, "guided_decoding", "text.format", f"text.format {text_format.type}")
+        if text_format.type == "json_object":
+            schema: dict[str, Any] = {"type": "object"}
+        elif text_format.schema_:
+            schema = text_format.schema_
+        else:
+            raise ApiError(
+                400, "invalid_request", "json_schema needs a schema", details={"param": "text.format.schema"}
+            )
+        inputs["guided_decoding"] = {"guide_type": "json_schema", "guide": json.dumps(schema)}
+        labels |= {"text_format": text_format.type, "text_format_name": (text_format.name or "")[:64]}
+    native = parameters(
+        body,
+        adapter,
+        logprobs=logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        prompt_cache_key=body.prompt_cache_key,
+    )
     return InferRequest(
         model=body.model,
         inputs=inputs,
-        parameters=common.parameters(body),
-        stream=body.stream or body.background,
+        parameters=native,
+        stream=bool(body.stream or body.background),
         metadata=labels,
+        priority=run_as.priority,
+        timeout_s=common.timeout_for(svc, run_as),
     )
 
 
-def _message(request_id: str, text: str, status: str) -> dict[str, Any]:
+def _message(request_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "id": f"msg_{request_id}",
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}],
     }
 
 
-def response_object(outcome: ResultRecord | LiveStatus) -> dict[str, Any]:
+# Labels the gateway keeps with a response's record (not the caller's metadata).
+_OWN_LABELS = ("api", "background", "service_tier", "text_format", "text_format_name", "user", "safety_identifier")
+
+
+def _text_config(labels: dict[str, str], inputs: dict[str, Any]) -> dict[str, Any]:
+    kind = labels.get("text_format")
+    if kind == "json_object":
+        return {"format": {"type": "json_object"}}
+    if kind == "json_schema":
+        guide = (inputs.get("guided_decoding") or {}).get("guide") or "{}"
+        name = labels.get("text_format_name") or "response"
+        return {"format": {"type": "json_schema", "name": name, "schema": json.loads(guide), "strict": True}}
+    return {"format": {"type": "text"}}
+
+
+def response_object(outcome: ResultRecord | LiveStatus, tpb: int = 32) -> dict[str, Any]:
     request_id = outcome.request_id
     status = _STATUS[outcome.status]
     body: dict[str, Any] = {
@@ -111,26 +153,33 @@ def response_object(outcome: ResultRecord | LiveStatus) -> dict[str, Any]:
         "background": False,
     }
     labels = dict(outcome.metadata)
-    body["background"] = labels.pop("background", "false") == "true"
-    labels.pop("api", None)
-    body["metadata"] = labels
+    body["background"] = labels.get("background", "false") == "true"
+    body["service_tier"] = labels.get("service_tier", "default")
+    if labels.get("user"):
+        body["user"] = labels["user"]
+    if labels.get("safety_identifier"):
+        body["safety_identifier"] = labels["safety_identifier"]
+    body["metadata"] = {k: v for k, v in labels.items() if k not in _OWN_LABELS}
     if isinstance(outcome, ResultRecord):
+        body["text"] = _text_config(labels, outcome.inputs)
+        body["top_logprobs"] = outcome.parameters.get("top_logprobs", 0)
         text = (outcome.outputs or {}).get("text_output")
+        logprobs = common.logprobs_of(outcome)
         if outcome.status == State.SUCCEEDED:
             if common.finish_reason(outcome) == "length":
                 body["status"] = "incomplete"
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
-            body["output"] = [_message(request_id, text or "", "completed")]
+            body["output"] = [_message(request_id, text or "", "completed", logprobs)]
         elif text:
-            body["output"] = [_message(request_id, text, "incomplete")]
+            body["output"] = [_message(request_id, text, "incomplete", logprobs)]
         if outcome.error and outcome.status in (State.FAILED, State.EXPIRED):
             body["error"] = {"code": "server_error", "message": f"{outcome.error.code}: {outcome.error.message}"}
-        usage = common.usage(outcome)
+        usage = common.usage([outcome], tpb)
         body["usage"] = {
             "input_tokens": usage["prompt_tokens"],
             "output_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens_details": {"reasoning_tokens": 0},
         }
     return body
@@ -139,10 +188,12 @@ def response_object(outcome: ResultRecord | LiveStatus) -> dict[str, Any]:
 class ResponseEvents:
     """OpenAI's response events from the request's own events, numbered as they go."""
 
-    def __init__(self, request_id: str, model: str, created_at: int) -> None:
+    def __init__(self, request_id: str, model: str, created_at: int, tpb: int = 32, obfuscate: bool = True) -> None:
         self.request_id = request_id
         self.model = model
         self.created_at = created_at
+        self.tpb = tpb
+        self.obfuscate = obfuscate
         self.sequence = -1
         self.started = False
         self.text: list[str] = []
@@ -163,6 +214,7 @@ class ResponseEvents:
             "tool_choice": "auto",
             "tools": [],
             "background": True,
+            "service_tier": "default",
         }
 
     def of(self, event: StreamEvent) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -187,18 +239,19 @@ class ResponseEvents:
         elif event.kind == "token":
             delta = common.token_text(event)
             self.text.append(delta)
-            yield self._event("response.output_text.delta", **where, delta=delta, logprobs=[])
+            extra = {"obfuscation": common.obfuscation(delta)} if self.obfuscate else {}
+            yield self._event("response.output_text.delta", **where, delta=delta, logprobs=[], **extra)
         elif event.terminal:
             record = common.record_of(event)
-            final = response_object(record)
+            final = response_object(record, self.tpb)
             if record.status == State.SUCCEEDED:
                 text = "".join(self.text) or (record.outputs or {}).get("text_output", "")
-                part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                yield self._event("response.output_text.done", **where, text=text, logprobs=[])
+                logprobs = common.logprobs_of(record)
+                part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+                yield self._event("response.output_text.done", **where, text=text, logprobs=logprobs)
                 yield self._event("response.content_part.done", **where, part=part)
-                yield self._event(
-                    "response.output_item.done", output_index=0, item=_message(self.request_id, text, "completed")
-                )
+                item = _message(self.request_id, text, "completed", logprobs)
+                yield self._event("response.output_item.done", output_index=0, item=item)
                 kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                 yield self._event(kind, response=final)
             else:
@@ -206,9 +259,17 @@ class ResponseEvents:
 
 
 async def _stream(
-    svc: Services, request_id: str, model: str, created_at: int, after: int, *, cancel_on_disconnect: bool
+    svc: Services,
+    request_id: str,
+    model: str,
+    created_at: int,
+    after: int,
+    *,
+    cancel_on_disconnect: bool,
+    obfuscate: bool = True,
 ) -> AsyncIterator[ServerSentEvent]:
-    numbering = ResponseEvents(request_id, model, created_at)
+    tpb = common.tokens_per_block(svc, model)
+    numbering = ResponseEvents(request_id, model, created_at, tpb, obfuscate)
     events = common.follow(svc, request_id) if cancel_on_disconnect else svc.events.follow(request_id, "0-0")
     async for event in events:
         for sequence, payload in numbering.of(event):
@@ -219,23 +280,26 @@ async def _stream(
 @router.post("/responses", summary="Create a response (OpenAI Responses API)")
 async def create_response(body: ResponseRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
     svc = services(request)
-    (request_id,) = await common.start(svc, who, request, [response_request(body, svc)])
+    native = response_request(body, svc)
+    run_as = common.tier(body.service_tier)
+    (request_id,) = await common.start(svc, who, request, [native], flex=run_as.flex)
     headers = {"x-request-id": request_id}
+    tpb = common.tokens_per_block(svc, body.model)
     if body.stream:
         created = common.created()
+        obfuscate = body.stream_options is None or body.stream_options.include_obfuscation
         # A background stream survives a disconnect (resume it with starting_after).
-        return EventSourceResponse(
-            _stream(svc, request_id, body.model, created, -1, cancel_on_disconnect=not body.background),
-            ping=svc.settings.sse_ping_s,
-            headers=headers,
+        stream = _stream(
+            svc, request_id, body.model, created, -1, cancel_on_disconnect=not body.background, obfuscate=obfuscate
         )
+        return EventSourceResponse(stream, ping=svc.settings.sse_ping_s, headers=headers)
     if body.background:
         outcome = await svc.results.get(request_id, who.scope)
-        answer = response_object(outcome)
+        answer = response_object(outcome, tpb)
         answer["background"] = True
         return JSONResponse(answer, headers=headers)
-    record = await common.wait_record(svc, who, request_id, svc.settings.default_timeout_s)
-    return JSONResponse(response_object(record), headers=headers)
+    record = await common.wait_record(svc, who, request_id, native.timeout_s or svc.settings.default_timeout_s)
+    return JSONResponse(response_object(record, tpb), headers=headers)
 
 
 @router.get("/responses/{response}", summary="Get a response; stream=true resumes its events")
@@ -250,7 +314,7 @@ async def get_response(
     request_id = request_id_of(response)
     outcome = await svc.results.get(request_id, who.scope)
     if not stream:
-        return JSONResponse(response_object(outcome))
+        return JSONResponse(response_object(outcome, common.tokens_per_block(svc, outcome.model)))
     job = await svc.results.job(request_id, who.scope)
     if job is None:
         raise ApiError(410, "stream_expired", f"the events of {response} are no longer kept; GET it without stream")
@@ -270,4 +334,4 @@ async def cancel_response(response: str, request: Request, who: Annotated[Caller
     if not outcome.status.terminal:
         await svc.jobs.cancel(request_id)
         outcome = await svc.results.wait(request_id, 5.0, who.scope)
-    return JSONResponse(response_object(outcome))
+    return JSONResponse(response_object(outcome, common.tokens_per_block(svc, outcome.model)))

@@ -1,5 +1,14 @@
-"""Request bodies of the OpenAI-compatible API. Unknown fields are ignored (OpenAI's SDKs
-send fields a server may not know); fields we cannot honour are refused by name."""
+"""Request bodies of the OpenAI-compatible API, field by field against OpenAI's API reference
+(the `openai` package's create params: chat, completions, embeddings, responses).
+
+Every field is either honoured or refused by name: a body is read with its unknown fields
+kept aside (extra="allow"), and `refuse_unsupported` answers 400 `unsupported_parameter`
+naming the first field, at any depth, that is set to something other than a neutral value
+(null, false, an empty list or object, or the field's documented default). Fields OpenAI
+has that this gateway does not serve get a sentence saying why (UNSUPPORTED); any other
+field is not a parameter of the endpoint, as OpenAI itself answers for unknown ones. The
+fields declared below are honoured (some only for some models or values: the routes check
+those). Known fields are typed strictly: "stream": "yes" or "max_tokens": true is refused."""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from gateway.server.api.errors import ApiError
 from gateway.server.models.inputs import MAX_TEXT_CHARS
 
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
@@ -14,114 +24,307 @@ Stop = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+ServiceTier = Literal["auto", "default", "flex", "priority", "scale", "fast"]
+
+# Why a field OpenAI has is refused (by endpoint; "*" for all).
+_NO_AUDIO = "audio is not supported: these models produce text"
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "*": {
+        "logit_bias": "logit_bias is not supported",
+        "moderation": "moderation is not supported: this gateway runs no moderation model",
+        "prompt_cache_retention": "prompt_cache_retention other than in_memory is not supported: the engines' "
+        "prefix caches live in memory",
+        "reasoning_effort": "reasoning_effort is not supported: these are not reasoning models",
+        "verbosity": "verbosity is not supported",
+    },
+    "chat": {
+        "audio": _NO_AUDIO,
+        "modalities": "modalities other than [text] are not supported: these models produce text",
+        "functions": "functions is deprecated and not supported: use tools",
+        "function_call": "function_call is deprecated and not supported: use tool_choice",
+        "prediction": "prediction (predicted outputs) is not supported",
+        "web_search_options": "web search is not supported",
+        "store": "store: true is not supported: there is no stored-completions API here (every request's "
+        "record is kept under its request id)",
+    },
+    "completions": {
+        "echo": "echo is not supported",
+        "suffix": "suffix is not supported: these models do not fill in the middle",
+        "best_of": "best_of other than n is not supported",
+    },
+    "batches": {
+        "output_expires_after": "output_expires_after is not supported",
+    },
+    "responses": {
+        "access_programs": "access_programs is not supported",
+        "background_options": "background_options is not supported",
+        "context_management": "context_management is not supported",
+        "conversation": "conversation is not supported: send the whole conversation as input",
+        "image": "image options are not supported: these models produce text",
+        "max_tool_calls": "max_tool_calls is not supported: built-in tools are not supported",
+        "previous_response_id": "previous_response_id is not supported; send the whole conversation as input",
+        "prompt": "prompt templates are not supported",
+        "reasoning": "reasoning is not supported: these are not reasoning models",
+        "tools": "tools are not supported on /v1/responses: use /v1/chat/completions for function calling",
+        "store": "store: false is not supported: every response is stored (GET /v1/responses/{id})",
+        "truncation": "truncation auto is not supported: a prompt over the context is refused (disabled)",
+    },
+}
+# Values of refused fields that ask for nothing (what the gateway does anyway).
+_NEUTRAL: dict[str, dict[str, tuple[Any, ...]]] = {
+    "*": {"prompt_cache_retention": ("in_memory", "in-memory")},
+    "chat": {"modalities": (["text"],), "store": (False,)},
+    "responses": {"store": (True,), "truncation": ("disabled",)},
+}
 
 
-class Lenient(BaseModel):
-    """Unknown fields are ignored (the SDKs send fields a server may not know), but the
-    known ones are typed strictly: "stream": "yes" or "max_tokens": true is refused."""
+class Body(BaseModel):
+    """An OpenAI request object: known fields typed strictly, unknown ones kept for
+    refuse_unsupported."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
 
-class TextPart(Lenient):
+def _neutral(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+def refuse_unsupported(body: BaseModel, endpoint: str, path: str = "") -> None:
+    """400 unsupported_parameter for the first field set beyond what is honoured."""
+    reasons = {**UNSUPPORTED["*"], **UNSUPPORTED.get(endpoint, {})}
+    neutral = {**_NEUTRAL["*"], **_NEUTRAL.get(endpoint, {})}
+    for name, value in (body.model_extra or {}).items():
+        allowed = neutral.get(name) if not path else None
+        if value is None or (value in allowed if allowed is not None else _neutral(value)):
+            continue
+        param = f"{path}{name}"
+        reason = reasons.get(name) if not path else None
+        message = reason or f"{param} is not a parameter of this endpoint"
+        raise ApiError(400, "unsupported_parameter", message, details={"param": param})
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        if isinstance(value, BaseModel):
+            refuse_unsupported(value, endpoint, f"{path}{name}.")
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    refuse_unsupported(item, endpoint, f"{path}{name}[{index}].")
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, "unsupported_parameter", message, details={"param": param})
+
+
+# -- chat ---------------------------------------------------------------------------------
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+class TextPart(Body):
     type: str = "text"
     text: Text = ""
 
 
-class Message(Lenient):
+class CalledFunction(Body):
+    name: FunctionName
+    arguments: Text = "{}"
+
+
+class ToolCall(Body):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # A string, or a list of content parts of which text ones are used.
+    # A string, or a list of content parts (text only: others are refused by their type).
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # assistant
+    tool_call_id: str | None = Field(default=None, max_length=256)  # tool
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if part.type in ("text", "input_text", "output_text"))
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
-class StreamOptions(Lenient):
+class FunctionDefinition(Body):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: str = "function"  # function only (custom tools are refused by their type)
+    function: FunctionDefinition | None = None
+
+
+class NamedFunction(Body):
+    name: FunctionName
+
+
+class ToolChoice(Body):
+    type: str = "function"  # function only (allowed_tools and custom are refused by their type)
+    function: NamedFunction | None = None
+
+
+class JsonSchemaFormat(Body):
+    name: str = Field(max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(Body):
     include_usage: bool = False
+    # OpenAI pads streamed deltas with an `obfuscation` field unless this is false.
+    include_obfuscation: bool = True
 
 
-class Sampling(Lenient):
-    """What chat, completions and responses share."""
+class PromptCacheOptions(Body):
+    # implicit: every prompt's prefix is cached and reused automatically (what the engines do).
+    mode: Literal["implicit"] = "implicit"
+
+
+class Sampling(Body):
+    """What chat and completions share (responses has its own)."""
 
     model: str = Field(max_length=128)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    n: int = Field(default=1, ge=1, le=128)
-    stream: bool = False
+    n: int | None = Field(default=None, ge=1, le=128)  # (more than the gateway's MAX_CHOICES is refused)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | list[Stop] | None = Field(default=None)
     user: str | None = Field(default=None, max_length=256)
-    metadata: Metadata | None = None
+    service_tier: ServiceTier | None = None
+    # Extensions (vLLM's names): the engines' top-k and repetition penalty.
+    top_k: int | None = Field(default=None, ge=0, le=1000)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
 
     def stop_words(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)[:16]
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1, le=32768)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=32768)
+    metadata: Metadata | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    prompt_cache_options: PromptCacheOptions | None = None
+    safety_identifier: str | None = Field(default=None, max_length=128)
 
 
 class CompletionRequest(Sampling):
     prompt: Text | list[Text]
     max_tokens: int | None = Field(default=16, ge=1, le=32768)
-    echo: bool = False
-    suffix: str | None = None
+    # The log-probabilities of the chosen tokens and of this many most likely ones (0 to 5).
+    logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
-class EmbeddingRequest(Lenient):
+# -- embeddings -----------------------------------------------------------------------------
+
+
+class EmbeddingRequest(Body):
     model: str = Field(max_length=128)
     input: Text | list[Text] = Field()
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1)  # refused for these fixed-size models (the route says)
     user: str | None = Field(default=None, max_length=256)
 
 
-class ResponseInputMessage(Lenient):
+# -- responses ------------------------------------------------------------------------------
+
+
+class ResponseInputMessage(Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
-    type: str | None = None
+    type: Literal["message"] | None = None
 
     def as_message(self) -> Message:
         return Message(role=self.role, content=self.content)
 
 
-class ResponseRequest(Sampling):
+class TextFormat(Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(default=None, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+
+
+class ResponseStreamOptions(Body):
+    include_obfuscation: bool = True
+
+
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponseRequest(Body):
+    model: str = Field(max_length=128)
     input: Text | list[ResponseInputMessage]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=32768)
-    background: bool = False
-    store: bool = True
-    previous_response_id: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = Field(default=None, max_length=8)
+    text: TextConfig | None = None
+    stream: bool | None = False
+    stream_options: ResponseStreamOptions | None = None
+    background: bool | None = False
+    metadata: Metadata | None = None
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=128)
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    prompt_cache_options: PromptCacheOptions | None = None
+    # Without tools (refused here) no call is ever made: these ask for nothing.
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
 
 
-def unsupported(body: BaseModel, fields: dict[str, Any]) -> str | None:
-    """The first field set to a value we cannot honour, if any."""
-    for name, neutral in fields.items():
-        value = getattr(body, name, neutral)
-        if value not in (neutral, None):
-            return name
-    return None
-
+# -- batches --------------------------------------------------------------------------------
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
-class BatchRequest(Lenient):
+class BatchRequest(Body):
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: str = Field(max_length=64)
     completion_window: str = "24h"
     metadata: Metadata | None = None
 
 
-class BatchLine(Lenient):
+class BatchLine(Body):
     """One line of a batch's input file."""
 
     custom_id: str = Field(min_length=1, max_length=512)

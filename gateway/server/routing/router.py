@@ -10,11 +10,18 @@ than balance_abs requests over the least and more than balance_rel times as many
 SGLang gateway's rule) the least loaded replica is chosen instead. least_outstanding and
 round_robin are there to compare against.
 
+A request with a prompt_cache_key (OpenAI's routing hint for prompts that share a long
+prefix) also counts as holding its whole prompt on the replica that last served that key
+(per engine model, remembered in the same shared index), so requests with the same key
+prefer the same replica unless load is badly imbalanced; its route says reason
+"cache_key".
+
 Other models: the replica with the fewest requests in flight from this gateway plus
 Triton's queued requests for the model."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections.abc import Callable
@@ -98,6 +105,10 @@ class Router:
         serving = [r.url for r in self.pool.serving(adapter.triton_model)]
         model = adapter.triton_model
         matches = await self.index.matches(model, keys, serving) if policy == "cache_aware" else {}
+        cache_key = _cache_key(prepared.parameters.prompt_cache_key)
+        affine: set[str] = set()
+        if cache_key is not None and policy == "cache_aware":
+            affine = {url for url, n in (await self.index.matches(model, [cache_key], serving)).items() if n}
         chosen: dict[str, Route] = {}
         held: dict[str, int] = {}
 
@@ -114,7 +125,10 @@ class Router:
             elif policy == "least_outstanding":
                 replica, reason = self.pool.least_outstanding(candidates), "load"
             else:
-                replica, reason = self._cache_aware(candidates, matches, prompt_blocks)
+                boosted = {**matches, **dict.fromkeys(affine, prompt_blocks)}
+                replica, reason = self._cache_aware(candidates, boosted, prompt_blocks)
+                if replica.url in affine and reason == "prefix":
+                    reason = "cache_key"
             load = self.loads.get(replica.url)
             chosen["route"] = Route(
                 replica=replica.url,
@@ -127,7 +141,7 @@ class Router:
             blocks = prompt_blocks + prepared.max_tokens // adapter.tokens_per_block
             self.loads.routed(replica.url, blocks)
             held[replica.url] = blocks
-            self.index.record(model, keys, replica.url)
+            self.index.record(model, keys + ([cache_key] if cache_key is not None else []), replica.url)
             self.decisions.labels(adapter.name, policy, reason).inc()
             self.matched.labels(adapter.name).observe(matches.get(replica.url, 0) / prompt_blocks)
             return replica
@@ -170,3 +184,11 @@ class Router:
             return replica
 
         return Plan(choose, lambda: chosen.get("route"))
+
+
+def _cache_key(value: str | None) -> bytes | None:
+    """The prefix-index key of a prompt_cache_key (apart from every block key: those hash
+    token blocks, this one a tagged string)."""
+    if not value:
+        return None
+    return hashlib.blake2b(b"prompt_cache_key\x00" + value.encode("utf-8"), digest_size=16).digest()

@@ -36,6 +36,9 @@ class TenantConfig(BaseModel):
     # deployment's). The admin API checks them (gateway.protocol.webhook_secrets); the
     # binder reads them at send time (binder/webhooks/secrets.py).
     webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
+    # Where the OpenAI-style events of the tenant's /v1 objects go (response.completed for
+    # background responses, batch.completed, ...), signed like its other webhooks; None: nowhere.
+    openai_webhook_url: str | None = Field(default=None, max_length=2048)
 
     def public(self) -> dict[str, Any]:
         body = self.model_dump()

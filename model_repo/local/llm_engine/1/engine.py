@@ -6,8 +6,15 @@ A scheduler thread repeats one step:
    and runs their context phase (prefill, reusing cached prefix blocks): one forward pass
    for all the sequences admitted together, each getting its first token;
 3. runs ONE decode forward pass for every other sequence in generation, one token each;
-4. ends the ones that produced their end id, a stop word or their last token, and merges
-   the newly prefilled ones into the decode batch for the next step.
+4. ends the ones that produced their end id, a stop word or their last token (or whose
+   guided-decoding grammar is complete), and merges the newly prefilled ones into the decode
+   batch for the next step.
+
+Per request, as TensorRT-LLM's engine offers them: repetition, presence and frequency
+penalties, bad words (-inf), guided decoding (a grammar masks the logits: guided.py), and
+the log-probability of each generated token and its raw logits (return_log_probs,
+return_generation_logits). Log-probabilities are those of the model's own distribution:
+log-softmax of the logits before temperature, penalties, top-k/top-p and grammar masks.
 
 Two compute backends share the scheduler and the cache:
 - HfBackend: a Hugging Face causal LM (torch, CPU or CUDA); the KV of cached blocks is real.
@@ -15,7 +22,9 @@ Two compute backends share the scheduler and the cache:
 - SyntheticBackend: no compute; prefill costs `prefill_us_per_token` for each token not
   served from the cache, a decode step `decode_us` for all sequences at once (as in-flight
   batching on a GPU), and the tokens are a seeded sequence of ordinary words ("words") or
-  the prompt's own tokens again ("echo"). For measuring the gateway (streams, routing)
+  the prompt's own tokens again ("echo"). A "words" request that asks for log
+  probabilities, logits or a guide gets seeded random logits instead (so those features
+  work at any context length without a model): the most likely token the guide allows. For measuring the gateway (streams, routing)
   without the CPU model being the limit, and for testing detokenization of any text."""
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from kv_blocks import BlockCache, block_keys
 
 
@@ -41,9 +51,14 @@ class Sampling:
     top_p: float = 0.0
     temperature: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = 0
     stop_words: list[list[int]] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)
+    log_probs: bool = False  # keep each generated token's log-probability
+    generation_logits: bool = False  # keep each generated token's raw logits (a vocabulary row)
+    guide: Any = None  # a guided.Guide: the grammar the output must follow
 
     @property
     def greedy(self) -> bool:
@@ -57,7 +72,8 @@ class Sequence:
     prompt: list[int]
     sampling: Sampling
     streaming: bool
-    # Sends a list of new token ids (final=True for the last call); errors as text.
+    # Sends new token ids (final=True for the last call): always the last ones of `generated`
+    # (all of them, when not streaming); errors as text.
     send: Callable[[list[int], bool], None]
     fail: Callable[[str], None]
     cancelled: Callable[[], bool]
@@ -68,6 +84,10 @@ class Sequence:
     state: Any = None  # the backend's per-sequence state (its sampling generator)
     reused_blocks: int = 0
     prefilled: int = 0  # prompt tokens computed in the context phase (not from the cache)
+    # Aligned with `generated` when the sampling asks for them: log-probabilities, raw logits.
+    logprobs: list[float] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)
+    step: tuple[float, Any] | None = None  # the backend's (log-probability, logits) of the latest token
 
     def hits_stop_word(self) -> bool:
         return any(len(w) <= len(self.generated) and self.generated[-len(w) :] == w for w in self.sampling.stop_words)
@@ -225,12 +245,29 @@ class Engine:
         return results
 
     def _take(self, sequence: Sequence, token: int) -> None:
+        step, sequence.step = sequence.step, None
         if token == sequence.sampling.end_id:
             self._end(sequence)
             return
         sequence.generated.append(token)
         sequence.unsent.append(token)
-        if sequence.hits_stop_word() or len(sequence.generated) >= sequence.sampling.max_new:
+        if step is not None:
+            if sequence.sampling.log_probs:
+                sequence.logprobs.append(step[0])
+            if sequence.sampling.generation_logits:
+                sequence.logits.append(step[1])
+        guide = sequence.sampling.guide
+        if guide is not None:
+            try:
+                guide.consume(token)
+            except ValueError as exc:  # (a token outside the grammar: bad words banned all it allowed)
+                self._fail(sequence, RuntimeError(str(exc)))
+                return
+        if (
+            sequence.hits_stop_word()
+            or len(sequence.generated) >= sequence.sampling.max_new
+            or (guide is not None and guide.done)
+        ):
             self._end(sequence)
         elif sequence.streaming:
             tokens, sequence.unsent = sequence.unsent, []
@@ -242,6 +279,7 @@ class Engine:
         tokens = sequence.generated if not sequence.streaming else sequence.unsent
         sequence.unsent = []
         sequence.state = None
+        sequence.sampling.guide = None
         try:
             sequence.send(tokens, True)
         except Exception:
@@ -584,21 +622,52 @@ class HfBackend(ContextWindow):
 
     def _sample(self, logits: Any, sequences: list[Sequence]) -> list[int]:
         """The next token of each row of `logits` [rows, vocab], with each sequence's own
-        sampling settings and generator (one host transfer for the whole batch)."""
+        sampling settings and generator (one host transfer for the whole batch). Sequences
+        that keep log-probabilities or logits get them in `step`."""
         torch = self.torch
+        kept = [i for i, s in enumerate(sequences) if s.sampling.log_probs or s.sampling.generation_logits]
+        raw = logits[kept].float() if kept else None  # (indexing copies: the raw logits stay as they are)
         logits = logits.float()  # (changed in place: a copy of the model's output, or a view of it)
         self._penalize(logits, sequences)
+        self._constrain(logits, sequences)
         chosen = torch.argmax(logits, dim=-1)
         sampled = [i for i, s in enumerate(sequences) if not s.sampling.greedy]
         if sampled:
             probs = self._probabilities(logits[sampled], [sequences[i].sampling for i in sampled])
             for j, i in enumerate(sampled):
                 chosen[i] = torch.multinomial(probs[j], 1, generator=sequences[i].state)[0]
-        return [int(t) for t in chosen.tolist()]
+        tokens = [int(t) for t in chosen.tolist()]
+        if raw is not None:
+            logprobs = torch.log_softmax(raw, dim=-1)
+            rows = torch.arange(len(kept), device=raw.device)
+            picked = logprobs[rows, torch.tensor([tokens[i] for i in kept], device=raw.device)].tolist()
+            wanted = any(sequences[i].sampling.generation_logits for i in kept)
+            host = raw.cpu().numpy() if wanted else None
+            for j, i in enumerate(kept):
+                row = host[j] if host is not None and sequences[i].sampling.generation_logits else None
+                sequences[i].step = (float(picked[j]), row)
+        return tokens
+
+    def _constrain(self, logits: Any, sequences: list[Sequence]) -> None:
+        """Guided decoding: the tokens a row's grammar does not allow next get -inf."""
+        for i, sequence in enumerate(sequences):
+            guide = sequence.sampling.guide
+            if guide is not None:
+                allowed = self.torch.from_numpy(guide.mask()).to(logits.device)
+                width = min(int(allowed.shape[0]), int(logits.shape[-1]))
+                logits[i, :width].masked_fill_(~allowed[:width], float("-inf"))
+                logits[i, width:] = float("-inf")
 
     def _penalize(self, logits: Any, sequences: list[Sequence]) -> None:
-        """Repetition penalty on the tokens seen so far, and bad words (-inf), per row."""
+        """Repetition penalty on the tokens seen so far; presence and frequency penalties on
+        the tokens generated so far (OpenAI's form: minus presence once, minus frequency per
+        occurrence); bad words (-inf); per row."""
         torch = self.torch
+        for i, sequence in enumerate(sequences):
+            s = sequence.sampling
+            if (s.presence_penalty or s.frequency_penalty) and sequence.generated:
+                ids, counts = torch.unique(torch.tensor(sequence.generated, device=logits.device), return_counts=True)
+                logits[i, ids] -= s.presence_penalty + s.frequency_penalty * counts.to(logits.dtype)
         rows = [i for i, s in enumerate(sequences) if s.sampling.repetition_penalty != 1.0]
         if rows:
             seen = [sorted(set(sequences[i].prompt + sequences[i].generated)) for i in rows]
@@ -652,10 +721,14 @@ class SyntheticBackend(ContextWindow):
 
     def __init__(
         self, words: list[int], *, prefill_us_per_token: float, decode_us: float, context_length: int,
-        echo: bool = False,
+        echo: bool = False, vocab_size: int = 0,
     ) -> None:
         self.words = words or list(range(100, 1100))
         self.echo = echo
+        # The width of the synthetic logits made for requests that ask for log probabilities,
+        # logits or a guide (0: none can).
+        self.vocab_size = vocab_size
+        self._word_ids = np.array([w for w in self.words if w < vocab_size], dtype=np.int64)
         self.prefill_s_per_token = prefill_us_per_token / 1e6
         self.decode_s = decode_us / 1e6
         self.context_length = context_length
@@ -689,4 +762,21 @@ class SyntheticBackend(ContextWindow):
         if self.echo:  # the prompt again, token by token, then the end
             done = len(sequence.generated)
             return sequence.prompt[done] if done < len(sequence.prompt) else sequence.sampling.end_id
-        return sequence.state.choice(self.words)
+        s = sequence.sampling
+        if s.guide is None and not s.log_probs and not s.generation_logits:
+            return sequence.state.choice(self.words)
+        # Synthetic logits: seeded noise, the usual words a little likelier; the most likely
+        # token the guide allows is chosen.
+        rng = np.random.default_rng(sequence.state.getrandbits(64))
+        logits = rng.standard_normal(self.vocab_size).astype(np.float32)
+        logits[self._word_ids] += 2.0
+        masked = logits.copy()
+        if s.guide is not None:
+            allowed = s.guide.mask()[: self.vocab_size]
+            masked[: len(allowed)][~allowed] = -np.inf
+            masked[len(allowed) :] = -np.inf
+        token = int(np.argmax(masked))
+        shifted = logits - logits.max()
+        logprobs = shifted - np.log(np.exp(shifted).sum())
+        sequence.step = (float(logprobs[token]), logits if s.generation_logits else None)
+        return token

@@ -5,9 +5,22 @@ Token ids in, token ids out; decoupled (streaming sends each new token as it is 
 as TensorRT-LLM does); in-flight batching: the running requests advance one token each
 per forward pass, new ones join between steps (engine.py); a cancelled
 request, or a `stop` request with its id, ends within one step; a block prefix KV cache
-(kv_blocks.py) reuses whole prompt blocks across requests. It reports TensorRT-LLM's
-metric families (nv_trt_llm_kv_cache_block_metrics, nv_trt_llm_request_metrics) through
-the python backend's custom-metrics API, so the gateway reads both profiles alike.
+(kv_blocks.py) reuses whole prompt blocks across requests.
+
+As TensorRT-LLM's engine does, on request: return_log_probs adds output_log_probs (each new
+token's log-probability, [1, 1, tokens]) and cum_log_probs (their sum so far) to every
+response; return_generation_logits adds generation_logits ([1, 1, tokens, vocabulary], the
+raw logits of each new token); return_perf_metrics adds kv_cache_reused_blocks,
+kv_cache_alloc_new_blocks and kv_cache_alloc_total_blocks to every response (this request's
+prompt blocks served from the prefix cache, computed, and in all); guided_decoding_guide_type
+and guided_decoding_guide constrain the output to a grammar (guided.py, on llguidance);
+presence_penalty and frequency_penalty apply to the tokens generated so far (the hf engine).
+The synthetic engine makes seeded random logits for those requests (engine.py); its echo
+form makes none and refuses them.
+
+It reports TensorRT-LLM's metric families (nv_trt_llm_kv_cache_block_metrics,
+nv_trt_llm_request_metrics) through the python backend's custom-metrics API, so the gateway
+reads both profiles alike.
 
 Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype,
 tokens_per_block, max_active_requests, kv_cache_memory, kv_cache_max_blocks (the last
@@ -22,6 +35,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# llm_synthetic and llm_echo run this same code from copies of llm_engine/1 (symlinks in the
+# source tree); what they have no copy of (guided.py) comes from llm_engine beside them.
+sys.path.append(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "llm_engine", "1")))
 
 from engine import Engine, HfBackend, Limits, Sampling, Sequence, SyntheticBackend, size_limits  # noqa: E402
 from kv_blocks import BlockCache  # noqa: E402
@@ -36,6 +52,15 @@ _UNSUPPORTED = {"beam_width": 1, "num_return_sequences": 1}
 def scalar(request, name, default):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return default if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
+
+
+def text(request, name) -> str | None:
+    """A one-string input (TYPE_STRING), decoded."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def word_list(tensor) -> list[list[int]]:
@@ -65,13 +90,24 @@ class TritonPythonModel:
         max_active = params.get("max_active_requests", "auto")
         kv_blocks = params.get("kv_cache_max_blocks", "auto")
         kv_tokens = None
+        self.guides = None  # guided decoding (the hf engine only)
         if kind == "synthetic":
+            echo = params.get("synthetic_output", "words") == "echo"
+            tokenizer_file = os.path.join(model_dir, "tokenizer.json") if model_dir else ""
+            vocab_size = 0
+            if not echo and tokenizer_file and os.path.exists(tokenizer_file):
+                from guided import Guides
+                from tokenizers import Tokenizer
+
+                vocab_size = Tokenizer.from_file(tokenizer_file).get_vocab_size(with_added_tokens=True)
+                self.guides = Guides(tokenizer_file, vocab_size, self._eos(model_dir))
             backend = SyntheticBackend(
                 self._word_tokens(model_dir),
                 prefill_us_per_token=float(params.get("prefill_us_per_token", "200")),
                 decode_us=float(params.get("decode_us", "20000")),
                 context_length=int(params.get("context_length", "4096")),
-                echo=params.get("synthetic_output", "words") == "echo",
+                echo=echo,
+                vocab_size=vocab_size,
             )
             self.default_end_id = -1
             # No KV, so no memory budget: the blocks only model what a prefix cache would hold.
@@ -92,6 +128,10 @@ class TritonPythonModel:
             eos = getattr(backend.model.generation_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
             self.default_end_id = int(eos) if eos is not None else -1
+            from guided import Guides
+
+            vocab_size = int(backend.model.get_output_embeddings().weight.shape[0])
+            self.guides = Guides(os.path.join(model_dir, "tokenizer.json"), vocab_size, max(self.default_end_id, 0))
             limits = size_limits(
                 device=device,
                 kv_bytes_per_token=backend.kv_bytes_per_token,
@@ -116,6 +156,17 @@ class TritonPythonModel:
         )
         if params.get("weights", "").startswith("DEMO"):
             pb_utils.Logger.log_warn(f"{self.model_name}: {params['weights']} ({model_dir})")
+
+    @staticmethod
+    def _eos(model_dir: str) -> int:
+        """The model's end token (config.json), for a guide's dead ends."""
+        try:
+            with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+                eos = json.load(handle).get("eos_token_id")
+        except (OSError, ValueError):
+            return 0
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        return int(eos) if isinstance(eos, int) else 0
 
     @staticmethod
     def _word_tokens(model_dir: str) -> list[int]:
@@ -219,6 +270,15 @@ class TritonPythonModel:
         if max_new < 1:
             raise ValueError("request_output_len must be at least 1")
         self.engine.backend.check(prompt, max_new)
+        log_probs = bool(scalar(request, "return_log_probs", False))
+        generation_logits = bool(scalar(request, "return_generation_logits", False))
+        perf_metrics = bool(scalar(request, "return_perf_metrics", False))
+        guide_type = text(request, "guided_decoding_guide_type")
+        guide = None
+        if self.guides is None and (log_probs or generation_logits or guide_type):
+            raise ValueError("the echo engine makes no logits: no log probabilities, logits or guided decoding")
+        if guide_type and self.guides is not None:
+            guide = self.guides.new(guide_type, text(request, "guided_decoding_guide") or "")
         sampling = Sampling(
             max_new=self.engine.backend.budget(prompt, max_new),
             end_id=int(scalar(request, "end_id", self.default_end_id)),
@@ -226,20 +286,46 @@ class TritonPythonModel:
             top_p=float(scalar(request, "runtime_top_p", 0.0)),
             temperature=float(scalar(request, "temperature", 1.0)),
             repetition_penalty=float(scalar(request, "repetition_penalty", 1.0)),
+            presence_penalty=float(scalar(request, "presence_penalty", 0.0)),
+            frequency_penalty=float(scalar(request, "frequency_penalty", 0.0)),
             seed=int(scalar(request, "seed", 0)),
             stop_words=word_list(pb_utils.get_input_tensor_by_name(request, "stop_words_list")),
             bad_words=word_list(pb_utils.get_input_tensor_by_name(request, "bad_words_list")),
+            log_probs=log_probs,
+            generation_logits=generation_logits,
+            guide=guide,
         )
+        tpb = self.cache.tokens_per_block
 
         def send(tokens: list[int], final: bool) -> None:
             if final and not tokens and streaming:
                 sender.send(flags=FINAL)
                 return
+            first = len(sequence.generated) - len(tokens)  # (the engine sends the last ones)
             ids = np.array(tokens, dtype=np.int32).reshape(1, 1, -1)
             outputs = [
                 pb_utils.Tensor("output_ids", ids),
                 pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32)),
             ]
+            end = first + len(tokens)
+            if log_probs:
+                values = sequence.logprobs[first:end]
+                outputs.append(pb_utils.Tensor("output_log_probs", np.array(values, dtype=np.float32).reshape(1, 1, -1)))
+                total = float(sum(sequence.logprobs[:end]))
+                outputs.append(pb_utils.Tensor("cum_log_probs", np.array([[total]], dtype=np.float32)))
+            if generation_logits:
+                rows = sequence.logits[first:end]
+                width = rows[0].shape[-1] if rows else self.guides.vocab_size
+                array = np.stack(rows).astype(np.float32) if rows else np.zeros((0, width), dtype=np.float32)
+                outputs.append(pb_utils.Tensor("generation_logits", array.reshape(1, 1, len(rows), width)))
+            if perf_metrics:
+                total_blocks = -(-len(prompt) // tpb)
+                for name, value in (
+                    ("kv_cache_reused_blocks", sequence.reused_blocks),
+                    ("kv_cache_alloc_new_blocks", total_blocks - sequence.reused_blocks),
+                    ("kv_cache_alloc_total_blocks", total_blocks),
+                ):
+                    outputs.append(pb_utils.Tensor(name, np.array([[value]], dtype=np.int32)))
             sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
 
         def fail(message: str) -> None:
@@ -253,10 +339,11 @@ class TritonPythonModel:
             )
 
         streaming = bool(scalar(request, "streaming", False))
-        return Sequence(
+        sequence = Sequence(
             request_id=request.request_id(), prompt=prompt, sampling=sampling, streaming=streaming,
             send=send, fail=fail, cancelled=cancelled,
         )
+        return sequence
 
     def finalize(self):
         self.engine.close()

@@ -15,8 +15,8 @@ As the real model does:
 - return_finish_reason / return_stop_reason / return_cumulative_logprob add those outputs to
   every response, as strings: finish_reason "None" until the last response, then "stop" (end
   id or a stop string), "length" or "cancelled"; stop_reason the stop string that ended it,
-  else "None"; cumulative_logprob "None" (the local engine gives no log probabilities; the
-  real model's inputs cannot ask for them, and it sends "None" where none were computed).
+  else "None"; cumulative_logprob "None" (the real model's inputs cannot ask the LLM API for
+  log probabilities, SamplingParams.logprobs, so it has none to send and sends "None").
 - A stop string's tokens are left out of the text (include_stop_str_in_output is false);
   when streaming only those of the last response, since text already sent is not taken back.
 - A cancelled request (the client closed its stream) ends at the engine's next step with the
@@ -27,8 +27,17 @@ As the real model does:
 - Errors are sent as a final response with text_output "N/A" and "Error generating
   request: ..."; input errors say "invalid input" (code INVALID_ARG) so they are not retried.
 
-Refused as invalid input (the local engine has no such thing): best_of > 1, frequency and
-presence penalties, perf metrics, image_url and LoRA.
+- sampling_param_frequency_penalty and sampling_param_presence_penalty apply to the tokens
+  generated so far, as on the local engine.
+- sampling_param_return_perf_metrics adds the request's KV-cache metrics to every response
+  once its prompt is in the cache: kv_cache_reused_block (prompt blocks served from the
+  prefix cache), kv_cache_missed_block, kv_cache_alloc_new_blocks, kv_cache_alloc_total_blocks
+  and kv_cache_hit_rate. As the real model.py does, they are sent with text_output's data
+  type (strings such as "3"), whatever config.pbtxt declares. The timing and
+  speculative-decoding metrics of the real model are not sent.
+
+Refused as invalid input (the local engine has no such thing): best_of > 1, image_url and
+LoRA.
 
 Metrics of its own (not TensorRT-LLM's), for tests: llm_llmapi_active_requests,
 llm_llmapi_cancelled_requests (ended by their client's cancellation) and
@@ -62,9 +71,6 @@ DEFAULT_MAX_TOKENS = 32  # TensorRT-LLM's SamplingParams.max_tokens
 # Inputs the local engine cannot honour: refused unless absent or neutral.
 _NEUTRAL = {
     "sampling_param_best_of": 1,
-    "sampling_param_frequency_penalty": 0.0,
-    "sampling_param_presence_penalty": 0.0,
-    "sampling_param_return_perf_metrics": False,
 }
 _ABSENT = ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source")
 
@@ -112,6 +118,8 @@ class Generation:
             name: bool(scalar(request, f"return_{name}", False))
             for name in ("finish_reason", "stop_reason", "cumulative_logprob")
         }
+        self.perf_metrics = bool(scalar(request, "sampling_param_return_perf_metrics", False))
+        self.sequence: Sequence | None = None  # the engine's sequence (its prefix-cache hits)
         self.tokens: list[int] = []  # generated ids streamed so far
         self.text = prefix  # the text so far
         self.decoder = DecodeStream(skip_special_tokens=True)
@@ -171,6 +179,17 @@ class Generation:
             outputs.append(text_tensor("stop_reason", str(stop_reason)))
         if self.returns["cumulative_logprob"]:
             outputs.append(text_tensor("cumulative_logprob", str(None)))
+        if self.perf_metrics and self.sequence is not None and self.sequence.phase != "waiting":
+            total = -(-len(self.prompt) // self.model.tokens_per_block)
+            reused = self.sequence.reused_blocks
+            metrics = {
+                "kv_cache_reused_block": reused,
+                "kv_cache_missed_block": total - reused,
+                "kv_cache_alloc_new_blocks": total - reused,
+                "kv_cache_alloc_total_blocks": total,
+                "kv_cache_hit_rate": reused / total if total else 0.0,
+            }
+            outputs.extend(text_tensor(name, str(value)) for name, value in metrics.items())
         self._send(pb_utils.InferenceResponse(output_tensors=outputs), final=final)
 
     def _send(self, response, *, final: bool = True) -> None:
@@ -205,7 +224,8 @@ class TritonPythonModel:
             eos = getattr(backend.model.generation_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
             self.end_id = int(eos) if eos is not None else -1
-        cache = BlockCache(int(params.get("tokens_per_block", "32")), int(params.get("kv_cache_max_blocks", "128")))
+        self.tokens_per_block = int(params.get("tokens_per_block", "32"))
+        cache = BlockCache(self.tokens_per_block, int(params.get("kv_cache_max_blocks", "128")))
         self.running: dict[str, list[Generation]] = {}  # request id -> its generations, for `stop`
         self.lock = threading.Lock()
         self._metrics()
@@ -324,6 +344,8 @@ class TritonPythonModel:
             top_p=float(scalar(request, "sampling_param_top_p", 0.0)),
             temperature=float(scalar(request, "sampling_param_temperature", 1.0)),
             seed=int(scalar(request, "sampling_param_seed", 0)),
+            presence_penalty=float(scalar(request, "sampling_param_presence_penalty", 0.0)),
+            frequency_penalty=float(scalar(request, "sampling_param_frequency_penalty", 0.0)),
             stop_words=[ids for _, ids in stops if ids],
         )
         generation = Generation(self, request, prompt, prefix, stops, sampling.max_new, streaming)
@@ -331,6 +353,7 @@ class TritonPythonModel:
             request_id=request.request_id(), prompt=prompt, sampling=sampling, streaming=streaming,
             send=generation.on_tokens, fail=generation.on_error, cancelled=generation.cancelled,
         )
+        generation.sequence = sequence
         return generation, sequence
 
     def finalize(self):
