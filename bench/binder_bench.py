@@ -25,11 +25,14 @@ import numpy as np
 import redis.asyncio as aioredis
 from pymongo import AsyncMongoClient
 
-from binder.index.vectors import VectorIndex
+from binder.index.vectors import Item, VectorIndex
 from gateway.common.result_store import RESULTS_COLLECTION
+from gateway.protocol.records import DEFAULT_TENANT
 from gateway.stack.process import ManagedProcess, free_port
 from gateway.stack.services import binder_spec, mongo_spec, redis_spec
 from tests.records import embedding_record, publish, text_record, unit_vectors
+
+SPACE = "minilm"
 
 
 def row(*cells: object) -> str:
@@ -78,14 +81,14 @@ async def store_throughput(data: Path, redis_url: str, mongo_url: str, db: int, 
 def faiss_search(count: int, dim: int, queries: int, k: int) -> dict:
     index = VectorIndex(Path(tempfile.mkdtemp()), use_gpu=False)
     vectors = unit_vectors(count, dim, seed=dim)
-    index.add([("space", f"id-{i}", vectors[i].tolist()) for i in range(count)])
+    index.add([Item(SPACE, DEFAULT_TENANT, f"id-{i}", vectors[i].tolist()) for i in range(count)])
     probes = unit_vectors(queries, dim, seed=dim + 1)
     latencies = []
     for probe in probes:
         began = time.perf_counter()
-        index.search("space", probe.tolist(), k)
+        index.search(SPACE, probe.tolist(), k, DEFAULT_TENANT)
         latencies.append(time.perf_counter() - began)
-    raw = index.spaces["space"].index
+    raw = index.shards[(SPACE, DEFAULT_TENANT)].index
     began = time.perf_counter()
     raw.search(probes, k)  # one batched call: the throughput FAISS can give
     batched = time.perf_counter() - began
@@ -104,7 +107,6 @@ async def http_search(
     """The same index, snapshotted and loaded by a binder process, queried over HTTP."""
     faiss_dir = data / "faiss" / f"binder-search-{dim}"
     index.directory = faiss_dir
-    index.spaces = {"minilm": index.spaces["space"]}
     index.snapshot()
     env = {"REDIS_URL": f"{redis_url}/{db}", "MONGO_URL": mongo_url, "MONGO_DB": f"bench_{db}", "LOG_LEVEL": "WARNING"}
     port = free_port()
@@ -115,7 +117,8 @@ async def http_search(
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
             for probe in probes:
                 began = time.perf_counter()
-                response = await http.post("/search", json={"space": "minilm", "vector": probe.tolist(), "k": k})
+                query = {"space": SPACE, "vector": probe.tolist(), "k": k, "tenant": DEFAULT_TENANT}
+                response = await http.post("/search", json=query)
                 response.raise_for_status()
                 latencies.append(time.perf_counter() - began)
     finally:

@@ -35,7 +35,6 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -372,4 +371,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -8,7 +8,9 @@ Sections (--sections, comma separated; open,closed,ttft,v1,relay by default):
            answers do (latency counts from the scheduled send, so a stall is not
            hidden); modes alternate in short slices, rounds repeated, so machine noise
            hits all of them alike.
-  closed   throughput: closed loop, a fixed number of concurrent clients per mode.
+  closed   throughput: closed loop, a fixed number of concurrent clients per mode, from
+           one client process or, with --client-processes P, from P of them (a GPU
+           serves more than one Python client can send).
   ttft     time to first token on the synthetic engine (no compute) at 1, 8 and 32
            concurrent streams (--ttft-streams): direct gRPC stream vs POST + SSE vs
            /v1/chat/completions streamed, in one run.
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import itertools
 import json
 import os
@@ -48,7 +52,10 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -63,9 +70,23 @@ SECTIONS = ("open", "closed", "ttft", "v1", "relay")
 ALL_SECTIONS = (*SECTIONS, "llm")
 STREAM_MODEL = "llm_synthetic"  # the engine contract with no compute: 20 ms per token
 
-STREAM_INPUTS = {"text_input": "Hello world, the gateway", "max_tokens": 32}
-INPUTS = {
+STREAM_INPUTS: dict[str, Any] = {"text_input": "Hello world, the gateway", "max_tokens": 32}
+
+
+def _photo() -> str:
+    """A 640x480 RGB PNG (a smooth gradient, 5 KB), base64: the CLIP tower resizes it to 224."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:480, 0:640]
+    pixels = np.stack([x * 255 // 640, y * 255 // 480, (x + y) * 255 // 1120], axis=-1).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+INPUTS: dict[str, dict[str, Any]] = {
     "clip_text": {"text": "a photo of a cat sitting on a mat"},
+    "clip_image": {"image": _photo()},
     "text_embed": {"text": "a cat sits on the mat"},
     "llm_synthetic": {"text_input": "Hello world, the gateway", "max_tokens": 8},
     "llm": {"text_input": "Write a short story about a lighthouse keeper.", "max_tokens": 64},
@@ -166,7 +187,7 @@ def direct_call(client: triton_aio.InferenceServerClient, model: str, inputs: di
 class Gateways:
     """HTTP sessions to one or more gateways, used in turn, and their CPU."""
 
-    def __init__(self, urls: list[str], api_key: str) -> None:
+    def __init__(self, urls: list[str], api_key: str, measure_cpu: bool = True) -> None:
         self.sessions = [
             aiohttp.ClientSession(
                 url,
@@ -178,11 +199,12 @@ class Gateways:
             for url in urls
         ]
         self._turn = itertools.cycle(self.sessions)
+        self.cpu: ProcessCpu | None = None
         try:
-            self.cpu: ProcessCpu | None = ProcessCpu.of_urls(urls)
+            if measure_cpu:
+                self.cpu = ProcessCpu.of_urls(urls)
         except Exception as exc:  # a gateway on another host: latency only
             print(f"(gateway CPU not measured: {exc})", flush=True)
-            self.cpu = None
 
     def next(self) -> aiohttp.ClientSession:
         return next(self._turn)
@@ -288,6 +310,62 @@ async def closed_loop(call: Call, clients: int, seconds: float, cpu: Callable[[]
 
 
 @dataclass
+class ClientJob:
+    """One client process's share of a closed loop (it crosses a process boundary)."""
+
+    urls: list[str]
+    triton_url: str
+    api_key: str
+    model: str
+    mode: str
+    clients: int
+    seconds: float
+    start_at: float  # time.time() at which every process begins measuring
+
+
+def run_client_job(job: ClientJob) -> tuple[list[float], Counter, float]:
+    return asyncio.run(_client_job(job))
+
+
+async def _client_job(job: ClientJob) -> tuple[list[float], Counter, float]:
+    triton = triton_aio.InferenceServerClient(job.triton_url)
+    http = Gateways(job.urls, job.api_key, measure_cpu=False)
+    call = make_calls(triton, http, job.model)[job.mode]
+    try:
+        await closed_loop(call, min(job.clients, 8), 0.5, lambda: 0.0)  # connections up, then wait
+        await asyncio.sleep(max(0.0, job.start_at - time.time()))
+        samples = await closed_loop(call, job.clients, job.seconds, lambda: 0.0)
+    finally:
+        await http.close()
+        await triton.close()
+    return samples.latencies, samples.errors, samples.ended - samples.started
+
+
+async def closed_loop_in_processes(
+    pool: ProcessPoolExecutor, args: argparse.Namespace, mode: str, cpu: Callable[[], float]
+) -> Samples:
+    """The closed loop from args.client_processes processes at once, args.clients in all."""
+    count = args.client_processes
+    start_at = time.time() + 2.0
+    shares = [args.clients // count + (i < args.clients % count) for i in range(count)]
+    jobs = [
+        ClientJob(args.urls, args.triton, args.api_key, args.model, mode, share, args.slice, start_at)
+        for share in shares
+    ]
+    loop = asyncio.get_running_loop()
+    futures = [loop.run_in_executor(pool, run_client_job, job) for job in jobs]
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu_before = cpu()
+    results = await asyncio.gather(*futures)
+    samples = Samples(cpu_s=cpu() - cpu_before)
+    for latencies, errors, _wall in results:
+        samples.latencies += latencies
+        samples.errors += errors
+    samples.ended = max(wall for _, _, wall in results)  # Samples.rate: requests / window
+    return samples
+
+
+@dataclass
 class StreamTrace:
     """When each token arrived (a coalesced event's tokens arrive together)."""
 
@@ -389,17 +467,25 @@ async def section_open(args: argparse.Namespace, calls: dict[str, Call], http: G
 
 async def section_closed(args: argparse.Namespace, calls: dict[str, Call], http: Gateways) -> list[str]:
     lines = [
-        f"Throughput, model `{args.model}`, closed loop with {args.clients} concurrent clients, "
-        f"{args.rounds} x {args.slice:g} s per mode:",
+        f"Throughput, model `{args.model}`, closed loop with {args.clients} concurrent clients "
+        f"in {args.client_processes} client process(es), {args.rounds} x {args.slice:g} s per mode:",
         "",
         row("mode", "requests", "errors", "req/s", "p50 ms", "p99 ms", "vs direct", "gateway CPU ms/req"),
         row(*["---"] * 8),
     ]
     totals = {mode: Samples() for mode in calls}
+    pool = None
+    if args.client_processes > 1:
+        pool = ProcessPoolExecutor(args.client_processes, mp_context=get_context("spawn"))
     for _ in range(args.rounds):
         for mode, call in calls.items():
             cpu = http.cpu_seconds if mode != "direct" else (lambda: 0.0)
-            totals[mode].add(await closed_loop(call, args.clients, args.slice, cpu))
+            if pool is None:
+                totals[mode].add(await closed_loop(call, args.clients, args.slice, cpu))
+            else:
+                totals[mode].add(await closed_loop_in_processes(pool, args, mode, cpu))
+    if pool is not None:
+        pool.shutdown()
     for mode, s in totals.items():
         lines.append(row(mode, len(s.latencies), sum(s.errors.values()), f"{s.rate:.0f}", f"{s.pct(50):.2f}",
                          f"{s.pct(99):.2f}", ratio(s.rate, totals["direct"].rate), s.cpu_ms()))  # fmt: skip
@@ -535,14 +621,19 @@ async def section_llm(args: argparse.Namespace, triton: triton_aio.InferenceServ
     return lines + error_lines(errors)
 
 
+def make_calls(triton: triton_aio.InferenceServerClient, http: Gateways, model: str) -> dict[str, Call]:
+    return {
+        "direct": direct_call(triton, model, INPUTS[model]),
+        "sync": sync_call(http, model, INPUTS[model]),
+        "async": async_call(http, model, INPUTS[model]),
+    }
+
+
 async def run(args: argparse.Namespace, gateway_urls: list[str], triton_url: str, api_key: str) -> str:
+    args.urls, args.triton, args.api_key = gateway_urls, triton_url, api_key  # for client processes
     triton = triton_aio.InferenceServerClient(triton_url)
     http = Gateways(gateway_urls, api_key)
-    calls = {
-        "direct": direct_call(triton, args.model, INPUTS[args.model]),
-        "sync": sync_call(http, args.model, INPUTS[args.model]),
-        "async": async_call(http, args.model, INPUTS[args.model]),
-    }
+    calls = make_calls(triton, http, args.model)
     if {"open", "closed"} & set(args.sections):
         for call in calls.values():  # warm up every path
             await closed_loop(call, 8, 2, lambda: 0.0)
@@ -579,6 +670,7 @@ def main() -> None:
     parser.add_argument("--slice", type=float, default=4.0, help="seconds per mode per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients for the throughput test")
+    parser.add_argument("--client-processes", type=int, default=1, help="processes the closed loop's clients run in")
     parser.add_argument("--ttft-samples", type=int, default=30)
     parser.add_argument("--ttft-streams", default="1,8,32", help="concurrent streams for the TTFT section")
     parser.add_argument("--streams", type=int, default=200, help="concurrent streams for the relay test")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 
 from redis.asyncio import Redis
@@ -30,10 +31,21 @@ from gateway.protocol.redis_keys import BINDER_GROUP, Shard, all_shards, shard_o
 
 log = logging.getLogger(__name__)
 
-# Mark the live state as stored, but never re-create a request hash that has expired.
+# Mark the live state as stored (never re-creating a request hash that has expired) and
+# let it go RESULTS_KEEP_S later: from then on every read is answered from MongoDB (a
+# result, an SSE replay of the final record), so a finished request leaves nothing of its
+# own in Redis. KEYS: each request's hash then its events stream; ARGV[1]: seconds.
 MARK_STORED = """
-for i, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then redis.call('HSET', key, 'stored', '1') end
+local keep = tonumber(ARGV[1])
+for i = 1, #KEYS, 2 do
+  local req, events = KEYS[i], KEYS[i + 1]
+  if redis.call('EXISTS', req) == 1 then
+    redis.call('HSET', req, 'stored', '1')
+    for _, key in ipairs({req, events}) do
+      local ttl = redis.call('TTL', key)
+      if ttl == -1 or ttl > keep then redis.call('EXPIRE', key, keep) end
+    end
+  end
 end
 return 1
 """
@@ -109,7 +121,7 @@ class Archiver:
             if now - last_trim >= TRIM_EVERY_S:
                 last_trim = now
                 await consumer.trim(
-                    stream, keep_newer_than_s=self.settings.results_keep_s, also_before=await self._readers_at(shard)
+                    stream, keep_newer_than_s=self.settings.results_keep_s, read_up_to=await self._readers_at(shard)
                 )
 
     async def _readers_at(self, shard: Shard) -> str | None:
@@ -163,7 +175,8 @@ class Archiver:
         for rid in outcome.stored:
             by_shard.setdefault(shard_of(rid), []).append(rid)
         for shard, ids in by_shard.items():
-            await self._mark_stored(keys=[shard.request(rid) for rid in ids])
+            keys = [key for rid in ids for key in (shard.request(rid), shard.events(rid))]
+            await self._mark_stored(keys=keys, args=[max(1, math.ceil(self.settings.results_keep_s))])
         await self.webhooks.enqueue([records[rid] for rid in outcome.stored])
         acked = [entry for rid in outcome.stored for entry in entry_of[rid]]
         await consumer.ack(stream, *acked)

@@ -45,8 +45,9 @@ class BinderSettings(ServiceSettings):
     linger_ms: int = Field(default=50, ge=0)
     claim_idle_ms: int = Field(default=30_000, ge=50)
     # Stored results stay in the results streams at least this long, and until every live
-    # index follower has read them (a follower gone longer rebuilds from MongoDB). Each
-    # costs Redis memory until then (an embedding's record about 9 KB).
+    # index follower has read them (a follower gone longer rebuilds from MongoDB); a stored
+    # request's hash and events stay this long too, then readers go to MongoDB. Each costs
+    # Redis memory until then (an embedding's record about 9 KB).
     results_keep_s: float = Field(default=30.0, ge=0)
     # An entry delivered more often than this goes to the dead-letter stream.
     max_deliveries: int = Field(default=5, ge=1)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from google.protobuf import text_format
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from tritonclient.grpc import InferRequestedOutput, model_config_pb2
 from tritonclient.utils import InferenceServerException
@@ -87,7 +90,25 @@ async def _postprocessed(triton) -> int:
     return int(stats["model_stats"][0].get("inference_count", 0))
 
 
-async def test_llm_cancel_mid_stream_stops_generation_within_a_step(triton) -> None:
+async def _engine_active_requests(stack) -> float:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{stack.s.triton_metrics_port}/metrics", timeout=5)).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            wanted = {"model": "llm_engine", "request_type": "active"}
+            if sample.name == "nv_trt_llm_request_metrics" and wanted.items() <= sample.labels.items():
+                return sample.value
+    raise AssertionError("llm_engine reports no active requests metric")
+
+
+async def _until_engine_idle(stack, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while await _engine_active_requests(stack) > 0:
+        assert time.monotonic() < deadline, f"llm_engine still busy after {timeout}s"
+        await asyncio.sleep(0.05)
+
+
+async def test_llm_cancel_mid_stream_stops_generation_within_a_step(triton, stack) -> None:
     request_id = f"cancel-{uuid.uuid4().hex}"
     before = await _postprocessed(triton)
     responses = triton.stream_infer(once(llm_request(PROMPT, 200, request_id=request_id)))
@@ -107,7 +128,9 @@ async def test_llm_cancel_mid_stream_stops_generation_within_a_step(triton) -> N
     }
     async for _, error in triton.stream_infer(once(stop)):
         assert error is None
-    await asyncio.sleep(2.0)  # an unstopped run of 200 tokens would finish in this time
+    # Until the engine holds no request: at once when the stop worked, after all 200 tokens
+    # when it did not.
+    await _until_engine_idle(stack)
     generated = await _postprocessed(triton) - before
     assert received <= generated < received + 20, f"{generated} chunks were generated after a cancel at {received}"
     assert await triton.is_server_ready()

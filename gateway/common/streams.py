@@ -41,6 +41,12 @@ def stream_id_order(entry_id: str) -> tuple[int, int]:
     return int(millis), int(seq or 0)
 
 
+def next_id(entry_id: str) -> str:
+    """The smallest entry id after this one."""
+    millis, seq = stream_id_order(entry_id)
+    return f"{millis}-{seq + 1}"
+
+
 @dataclass
 class StreamConsumer:
     redis: Redis
@@ -153,10 +159,11 @@ class StreamConsumer:
             await pipe.execute()
         log.error("entry %s of %s dead-lettered: %s", entry.id, entry.stream, error)
 
-    async def trim(self, stream: str, keep_newer_than_s: float = 0, also_before: str | None = None) -> None:
-        """Drop only entries the group has delivered and acknowledged: everything older
-        than both its oldest pending entry and its last delivered one (and the window, and
-        `also_before`, an entry other readers still need)."""
+    async def trim(self, stream: str, keep_newer_than_s: float = 0, read_up_to: str | None = None) -> None:
+        """Drop only entries the group has delivered and acknowledged: up to its last
+        delivered one and before its oldest pending one (and older than the window, and up
+        to `read_up_to`, where other readers are). Exact, not in whole stream nodes: a
+        quiet shard's last entries go too."""
         try:
             groups = await self.redis.xinfo_groups(stream)
         except ResponseError:  # the stream is gone
@@ -164,12 +171,12 @@ class StreamConsumer:
         info = next((g for g in groups if g["name"] == self.group), None)
         if info is None:
             return
-        bounds = [info["last-delivered-id"]]
+        bounds = [next_id(info["last-delivered-id"])]  # MINID keeps ids >= the bound
         pending = await self.redis.xpending(stream, self.group)
         if pending["pending"]:
             bounds.append(pending["min"])
         if keep_newer_than_s:
             bounds.append(f"{int((time.time() - keep_newer_than_s) * 1000)}-0")
-        if also_before is not None:
-            bounds.append(also_before)
-        await self.redis.xtrim(stream, minid=min(bounds, key=stream_id_order), approximate=True)
+        if read_up_to is not None:
+            bounds.append(next_id(read_up_to))
+        await self.redis.xtrim(stream, minid=min(bounds, key=stream_id_order), approximate=False)
