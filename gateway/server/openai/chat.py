@@ -31,11 +31,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from gateway.protocol import ResultRecord, State
 from gateway.protocol.http import InferRequest
 from gateway.server.api.errors import ApiError
+from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.llm import tools as toolcalls
 from gateway.server.models import ModelAdapter
@@ -345,7 +346,7 @@ async def _answer(
     tpb = common.tokens_per_block(svc, body.model)
     if body.stream:
         stream = ChunkStream(request_ids, body, tpb)
-        return EventSourceResponse(stream.events(svc), ping=svc.settings.sse_ping_s, headers=headers)
+        return EventStream(stream.events(svc), ping=svc.settings.sse_ping_s, headers=headers)
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
     records = await common.wait_records(svc, who, request_ids, timeout)
     for record in records:

@@ -20,11 +20,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from gateway.protocol import ResultRecord, State, valid_request_id
 from gateway.protocol.http import InferRequest, LiveStatus
 from gateway.server.api.errors import ApiError
+from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai import common
 from gateway.server.openai.chat import parameters
@@ -292,7 +293,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
         stream = _stream(
             svc, request_id, body.model, created, -1, cancel_on_disconnect=not body.background, obfuscate=obfuscate
         )
-        return EventSourceResponse(stream, ping=svc.settings.sse_ping_s, headers=headers)
+        return EventStream(stream, ping=svc.settings.sse_ping_s, headers=headers)
     if body.background:
         outcome = await svc.results.get(request_id, who.scope)
         answer = response_object(outcome, tpb)
@@ -320,7 +321,7 @@ async def get_response(
         raise ApiError(410, "stream_expired", f"the events of {response} are no longer kept; GET it without stream")
     created = int(outcome.created_at.timestamp())
     after = -1 if starting_after is None else starting_after
-    return EventSourceResponse(
+    return EventStream(
         _stream(svc, request_id, outcome.model, created, after, cancel_on_disconnect=False),
         ping=svc.settings.sse_ping_s,
     )
