@@ -103,6 +103,9 @@ def chaos(stack, tmp_path_factory):
         "TRITON_METRICS_URLS": f"http://127.0.0.1:{metrics_port}/metrics",
         "BINDER_URLS": f"http://127.0.0.1:{binder_port}",
         "LOG_LEVEL": "WARNING",
+        # The check below reads every streamed request's events after it is stored;
+        # by default they leave Redis 30 s after that, before a slow machine gets there.
+        "RESULTS_KEEP_S": "3600",
     }
     binder = _start(binder_spec(data_dir=data, host="127.0.0.1", port=binder_port, env=env, name="binder-chaos"))
     started.append(binder)
