@@ -3,8 +3,10 @@ change of utime + stime (from /proc, through psutil) over a measured window, div
 what was served in it. Far less noisy than latency on a shared machine (NVIDIA Dynamo
 measures its frontend this way).
 
-The processes are found by the TCP ports they listen on (a gateway started with
-`--workers N` listens once and has N worker children, all counted)."""
+The processes are found by the TCP ports they listen on. A gateway started with
+`--workers N` is a parent with N worker children that share its socket; the system
+names one holder of a shared socket, often a worker, so a multiprocessing child found
+that way is replaced by its parent, and the parent's whole tree is counted."""
 
 from __future__ import annotations
 
@@ -18,8 +20,15 @@ def listening_pids(ports: set[int]) -> set[int]:
     for connection in psutil.net_connections(kind="tcp"):
         listening = connection.status == psutil.CONN_LISTEN and connection.laddr and connection.pid
         if listening and connection.laddr.port in ports:
-            found.add(connection.pid)
+            found.add(_tree_root(connection.pid))
     return found
+
+
+def _tree_root(pid: int) -> int:
+    process = psutil.Process(pid)
+    while "--multiprocessing-fork" in process.cmdline() and (parent := process.parent()) is not None:
+        process = parent
+    return process.pid
 
 
 class ProcessCpu:

@@ -1,8 +1,12 @@
 """Profile the gateway under load: runs the open-loop benchmark at one rate, records the
 gateway process with py-spy during the `sync` slice, and prints where its CPU goes, by
-package (each sample counted once, for the innermost frame of a known package).
+package (each sample counted once, for the innermost frame of a known package). With
+--relay STREAMS it runs the relay section instead (that many concurrent token streams of
+`llm_synthetic`) and records the gateway while it relays (py-spy samples only busy
+threads, so the direct phase, when the gateway idles, adds little).
 
 Run:  .venv/bin/python -m bench.profile_gateway --rate 200 --seconds 12
+      .venv/bin/python -m bench.profile_gateway --relay 200 --seconds 40
 Needs py-spy (`.venv/bin/pip install py-spy`); raw stacks are kept in --raw.
 """
 
@@ -52,12 +56,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=200)
     parser.add_argument("--seconds", type=float, default=12, help="how long to record (the slice is 2 s longer)")
+    parser.add_argument("--relay", type=int, default=0, help="profile the relay of this many streams instead")
     parser.add_argument("--raw", type=Path, default=Path("/tmp/gateway-profile.txt"))
     args = parser.parse_args()
     slice_s = args.seconds + 2
     log = Path("/tmp/gateway-profile-bench.log")
     command = [sys.executable, "-m", "bench.gateway_bench", "--sections", "open", "--rates", f"{args.rate:g}"]
     command += ["--slice", f"{slice_s:g}", "--rounds", "1"]
+    if args.relay:
+        command = [sys.executable, "-m", "bench.gateway_bench", "--sections", "relay", "--streams", str(args.relay)]
     with log.open("w") as err:
         bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
         try:
@@ -69,10 +76,11 @@ def main() -> None:
                 found = re.search(r"gateway +ready.*?pid (\d+)", log.read_text())
                 pid = int(found.group(1)) if found else None
                 time.sleep(0.5)
-            time.sleep(WARM_UP_S + slice_s + 1)  # past the warm-up and the direct slice
+            if not args.relay:
+                time.sleep(WARM_UP_S + slice_s + 1)  # past the warm-up and the direct slice
             spy = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "--nonblocking"]
             spy += ["-d", f"{args.seconds:g}", "-r", "200", "-f", "raw", "-o", str(args.raw)]
-            subprocess.run(spy, check=True, capture_output=True)
+            subprocess.run(spy, check=not args.relay, capture_output=True)  # the relay may end first
         finally:
             bench.wait()
     print(summarize(args.raw))
