@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import time
 from datetime import datetime
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from gateway.protocol import new_request_id
+from gateway.server.settings import GatewaySettings
 from tests.gateway_calls import llm_body, submit, wait_result
 from tests.triton_requests import png_bytes
 
@@ -117,6 +122,39 @@ async def test_malformed_json_is_422_invalid_json(http) -> None:
     assert response.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"model": "llm", "inputs": {"text_input": "x", "max_tokens": True}}, "invalid_inputs"),
+        ({"model": "llm", "inputs": {"text_input": "x", "max_tokens": "8"}}, "invalid_inputs"),
+        ({"model": "llm", "inputs": {"text_input": "x", "max_tokens": 8}, "stream": "yes"}, "validation_error"),
+    ],
+)
+async def test_a_value_of_the_wrong_json_type_is_refused_not_coerced(http, body, code) -> None:
+    response = await http.post("/infer", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("field", [{"max_tokens": True}, {"stream": "yes"}])
+async def test_a_v1_value_of_the_wrong_json_type_is_a_400_in_openais_shape(http, field) -> None:
+    body = {"model": "llm", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, **field}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == next(iter(field))
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32-le"])
+async def test_a_body_not_in_utf8_is_422_invalid_json(http, encoding: str) -> None:
+    # A valid request, in an encoding Python's json.loads would detect and read.
+    body = json.dumps(llm_body("hello", 4)).encode(encoding)
+    response = await http.post("/infer", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
 async def test_huge_body_is_413(http) -> None:
     huge = {"model": "text_embed", "inputs": {"text": "x" * (9 * 1024 * 1024)}}
     response = await http.post("/infer", json=huge)
@@ -196,6 +234,38 @@ async def test_health_readiness_and_metrics(http) -> None:
         "gateway_time_to_first_token_seconds",
     ):
         assert name in metrics
+
+
+def _tenant_requests_counted(metrics: str) -> float:
+    families = text_string_to_metric_families(metrics)
+    return sum(s.value for f in families if f.name == "gateway_tenant_requests" for s in f.samples)
+
+
+async def test_public_metrics_do_not_name_tenants(stack, http) -> None:
+    tenant = "tenant-kept-off-metrics-q7z"
+    created = await http.post("/admin/keys", json={"tenant": tenant, "role": "user", "name": "test"})
+    assert created.status_code == 201, created.text
+    tenant_key = {"Authorization": f"Bearer {created.json()['key']}"}
+    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as public:  # no key: /metrics is public
+        before = _tenant_requests_counted((await public.get("/metrics")).text)
+        body = {"model": "clip_text", "inputs": {"text": "counted"}}
+        response = await public.post("/infer", json=body, headers={**tenant_key, "Prefer": "wait=30"})
+        assert response.json()["status"] == "succeeded", response.text
+        deadline = time.monotonic() + 30
+        while True:
+            metrics = await public.get("/metrics")
+            assert metrics.status_code == 200
+            if _tenant_requests_counted(metrics.text) > before:  # the tenant's request is counted
+                break
+            assert time.monotonic() < deadline, "the request was not counted"
+            await asyncio.sleep(0.1)
+    assert tenant not in metrics.text
+
+
+def test_tenant_labels_on_public_metrics_are_refused() -> None:
+    assert GatewaySettings(metrics_tenant_label=True, public_metrics=False).metrics_tenant_label
+    with pytest.raises(ValidationError, match="tenant names are not public"):
+        GatewaySettings(metrics_tenant_label=True, public_metrics=True)
 
 
 async def test_openapi_docs_are_served(http) -> None:

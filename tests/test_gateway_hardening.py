@@ -227,6 +227,13 @@ async def test_a_client_that_never_finishes_its_headers_is_disconnected(stack) -
         stack.stop(gateway)
 
 
+async def test_headers_over_the_limit_are_431_and_the_gateway_serves_on(http) -> None:
+    response = await http.get("/healthz", headers={"X-Big": "a" * 100_000})  # MAX_HEADER_BYTES: 32 KiB
+    assert response.status_code == 431, response.text
+    assert response.json()["error"]["code"] == "headers_too_large"
+    assert (await http.get("/healthz")).status_code == 200
+
+
 # -- the queue's scripts under client retries ----------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import AUTH
+from tests.test_tenants import client_for, new_key, set_tenant, slot_held
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 
@@ -147,6 +148,23 @@ def test_a_background_response_is_queued_at_once_then_polled_to_completion(clien
     assert response.status == "completed"
     assert response.output_text.endswith("<|im_start|>user\nPoll me<|im_end|>\n<|im_start|>assistant\n")
     assert response.usage.output_tokens > 0
+
+
+async def test_a_queued_background_response_reads_as_background_with_its_metadata(stack) -> None:
+    await set_tenant(stack, "tenant-queued-response", limits={"max_concurrent": 1})
+    key = await new_key(stack, "tenant-queued-response")
+    tenant = openai.AsyncOpenAI(base_url=f"{stack.gateway_url}/v1", api_key=key, max_retries=0, timeout=60)
+    async with tenant, client_for(stack, key) as native, slot_held(native):  # so the response stays queued
+        created = await tenant.responses.create(
+            model="llm_echo", input="Wait your turn", background=True, metadata={"job": "nightly"}
+        )
+        try:
+            queued = await tenant.responses.retrieve(created.id)
+        finally:
+            await tenant.responses.cancel(created.id)
+    assert queued.status == "queued"
+    assert queued.background is True
+    assert queued.metadata == {"job": "nightly"}
 
 
 def test_a_background_stream_resumes_after_a_disconnect_with_starting_after(client) -> None:

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from gateway.common.result_store import RESULTS_COLLECTION
-from tests.conftest import kill_by_pid
-from tests.test_tenants import new_key
+from tests.conftest import AUTH, kill_by_pid
+from tests.test_tenants import ECHO, client_for, new_key, set_tenant
 
 MONGO_DB = "triton_gateway"  # the stack's database (gateway.common.settings default)
 
@@ -108,6 +108,34 @@ def test_a_batch_of_embeddings_returns_vectors_per_line(client) -> None:
     assert done.error_file_id is None
 
 
+async def test_a_batch_runs_to_its_end_under_a_per_minute_limit_and_spends_none_of_it(stack) -> None:
+    await set_tenant(stack, "tenant-batch-rpm", limits={"requests_per_minute": 3})
+    key = await new_key(stack, "tenant-batch-rpm")
+    batcher = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key=key, max_retries=0, timeout=30)
+    # More lines than the minute allows calls, and more inputs in each line than that.
+    lines = [
+        {
+            "custom_id": f"line-{n}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "text_embed", "input": [f"line {n} input {i}" for i in range(5)]},
+        }
+        for n in range(4)
+    ]
+    batch = run_batch(batcher, lines, "/v1/embeddings")
+    done = wait_for(batcher, batch.id, {"completed", "failed"}, timeout_s=60)
+    assert done.status == "completed" and done.request_counts.completed == 4
+    outputs = read_lines(batcher, done.output_file_id)
+    for n in range(4):
+        vectors = outputs[f"line-{n}"]["response"]["body"]["data"]
+        assert [len(v["embedding"]) for v in vectors] == [384] * 5
+    async with client_for(stack, key) as client:  # the tenant's own calls still have the whole minute
+        for _ in range(3):
+            assert (await client.post("/infer", json=ECHO)).status_code == 202
+        refused = await client.post("/infer", json=ECHO)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+
+
 def test_a_cancelled_batch_ends_cancelled_with_what_finished(client) -> None:
     lines = [chat_line(f"slow-{i}", "tell me more", model="llm_synthetic", max_tokens=60) for i in range(300)]
     batch = client.batches.create(
@@ -192,6 +220,18 @@ def test_a_file_round_trips_and_is_deleted(client) -> None:
     assert client.files.delete(created.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(created.id)
+
+
+def test_an_uploaded_files_name_is_kept_without_path_parts_or_control_characters(client, stack) -> None:
+    name = "../../etc/\x1bpasswd\x7f"  # (httpx sends ESC and DEL as they are; \x01 it would send as %01)
+    upload = {"file": (name, jsonl([chat_line("a", "hello")]))}
+    with httpx.Client(base_url=f"{stack.gateway_url}/v1", headers=AUTH) as raw:
+        assert b'filename="../../etc/\x1bpasswd\x7f"' in raw.build_request("POST", "/files", files=upload).read()
+        created = raw.post("/files", files=upload, data={"purpose": "batch"})
+    assert created.status_code == 200, created.text
+    assert created.json()["filename"] == "passwd"
+    listed = {f.id: f.filename for f in client.files.list(purpose="batch")}
+    assert listed[created.json()["id"]] == "passwd"
 
 
 def test_batches_are_listed_newest_first_with_after_and_limit(client) -> None:

@@ -80,6 +80,14 @@ def test_a_failed_request_is_not_retried(gateway, stack) -> None:
     assert len(requests_made(db) - before) == 1
 
 
+def test_the_answer_about_a_failed_request_tells_clients_not_to_retry(gateway, stack) -> None:
+    url, _ = gateway
+    body = {"model": "llm_broken", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert response.status_code in (400, 502), response.text
+    assert response.headers["x-should-retry"] == "false"
+
+
 def test_a_cancelled_request_is_not_retried(gateway, stack) -> None:
     url, db = gateway
     before = requests_made(db)

@@ -8,14 +8,20 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.common.redis import connect
 from gateway.protocol import State, new_request_id
 from gateway.protocol.redis_keys import Shard
 from gateway.server.dispatch.scheduler import Headroom
-from gateway.server.queue.jobs import Admission, Job, JobStore, NewRequest
+from gateway.server.queue import jobs
+from gateway.server.queue.jobs import TAKE_TOKEN_TTL_S, Admission, Job, JobStore, NewRequest
 from gateway.stack.process import ManagedProcess, free_port
 from gateway.stack.services import redis_spec
 
@@ -255,6 +261,68 @@ async def test_a_tenant_with_nothing_waiting_starts_at_once_beside_a_backlog(sto
     assert outcome == "started"
 
 
+# -- replays after a lost reply ---------------------------------------------------------------------
+
+
+async def test_the_redis_client_retries_connection_errors_and_timeouts_with_the_asyncio_retry(
+    redis_server: str,
+) -> None:
+    client = connect(redis_server, timeout_s=2.0, max_connections=2)
+    try:
+        connection = await client.connection_pool.get_connection()  # what runs the commands
+        await client.connection_pool.release(connection)
+        assert isinstance(connection.retry, Retry)
+        failures: list[Exception] = [RedisConnectionError("reply lost"), RedisTimeoutError("no reply")]
+
+        async def command() -> str:
+            if failures:
+                raise failures.pop(0)
+            return "PONG"
+
+        async def failed(error: Exception) -> None:
+            pass
+
+        assert await connection.retry.call_with_retry(command, failed) == "PONG"
+    finally:
+        await client.aclose()
+
+
+async def test_a_replayed_start_at_once_starts_nothing_more(store: JobStore) -> None:
+    now = time.time()
+    new = NewRequest(new_request_id(now), {"inputs": {}}, now, now + 60)
+    for _ in range(2):  # the same SUBMIT again, as the client resends it after a lost reply
+        submitted = await store.submit([new], model="m", tenant="t", band="normal", admission=OPEN, start_as="c1")
+        assert submitted.outcome == "started"
+    job = await store.load(new.request_id)
+    assert job is not None and job.state == State.RUNNING and job.attempts == 1
+    assert [fields["event"] for _, fields in await store.redis.xrange(SHARD.events(new.request_id))] == [
+        "queued",
+        "running",
+    ]
+    assert await store.redis.hget(SHARD.running, "t:t") == "1"
+
+
+async def test_a_replayed_take_starts_nothing_more(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, (first, second) = await queue(store, "t", 2)
+    # Each take() draws a token; the client resends the very same call (same token) after a lost reply.
+    monkeypatch.setattr(jobs, "secrets", SimpleNamespace(token_hex=lambda nbytes: "lost-reply"))
+    job = await store.take(SHARD, "m", "c1")
+    replay = await store.take(SHARD, "m", "c1")
+    assert isinstance(job, Job) and isinstance(replay, Job)
+    assert job.request_id == replay.request_id == first
+    assert job.attempts == replay.attempts == 1
+    events = [fields["event"] for _, fields in await store.redis.xrange(SHARD.events(first))]
+    assert events.count("running") == 1
+    waiting = await store.load(second)
+    assert waiting is not None and waiting.state == State.QUEUED
+
+
+async def test_a_dispatchers_last_take_is_not_kept_forever(store: JobStore) -> None:
+    await queue(store, "t", 1)
+    assert isinstance(await store.take(SHARD, "m", "c1"), Job)
+    assert 0 < await store.redis.ttl(f"{SHARD.prefix}take:c1") <= TAKE_TOKEN_TTL_S
+
+
 # -- leases, reclaim, hand-over -------------------------------------------------------------------
 
 
@@ -407,5 +475,7 @@ def test_a_reader_skips_token_events_it_has_the_pieces_of() -> None:
     EventHub._fan_out(reader, "k", [("3-0", "token", "cde", (2, 3)), ("4-0", "token", "f", (5, 1))])
     delivered = []
     while not follower.queue.empty():
-        delivered.append(follower.queue.get_nowait().data)
+        event = follower.queue.get_nowait()
+        assert event is not None
+        delivered.append(event.data)
     assert delivered == ["ab", "cde", "f"]

@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import httpx
 import openai
 import pytest
+import redis.asyncio as aioredis
 
 from tests.conftest import AUTH
 from tests.gateway_calls import submit, wait_result
@@ -34,6 +37,33 @@ async def set_tenant(stack, tenant: str, **settings) -> None:
     async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as admin:
         response = await admin.put(f"/admin/tenants/{tenant}", json=settings)
         assert response.status_code == 200, response.text
+
+
+# A minute of tokens (one per 20 ms): with max_concurrent 1 its tenant's next requests queue.
+HOLD = {"model": "llm_synthetic", "inputs": {"text_input": "hold the only slot", "max_tokens": 3000}, "stream": True}
+
+
+@asynccontextmanager
+async def slot_held(client: httpx.AsyncClient) -> AsyncIterator[str]:
+    """A long generation of the client's tenant, running from entry until it is cancelled
+    at exit: a tenant with max_concurrent 1 queues everything else meanwhile."""
+    request_id = await submit(client, HOLD)
+    try:
+        deadline = time.monotonic() + 30
+        while (await client.get(f"/results/{request_id}")).json()["status"] != "running":
+            assert time.monotonic() < deadline, "the long generation never started"
+            await asyncio.sleep(0.05)
+        yield request_id
+    finally:
+        await client.post(f"/results/{request_id}/cancel")
+
+
+async def waiting(redis: aioredis.Redis, tenant: str) -> int:
+    """The tenant's requests waiting in the queue (its backlog counter, in every shard)."""
+    count = 0
+    async for backlog in redis.scan_iter(match="{s*}:backlog"):
+        count += int(await redis.hget(backlog, f"t:{tenant}") or 0)
+    return count
 
 
 PROTECTED = [
@@ -255,6 +285,58 @@ async def test_an_idempotent_replay_uses_none_of_the_quota(stack) -> None:
             assert (await client.post("/infer", json=ECHO)).status_code == 202
         refused = await client.post("/infer", json=ECHO)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+
+
+def embeddings(count: int) -> dict:
+    return {"model": "text_embed", "input": [f"input number {n}" for n in range(count)]}
+
+
+async def test_a_multi_input_embeddings_call_over_the_tenants_queue_cap_is_refused_whole(stack, redis) -> None:
+    await set_tenant(stack, "tenant-embed-cap", limits={"max_concurrent": 1, "max_queued": 3})
+    async with client_for(stack, await new_key(stack, "tenant-embed-cap")) as client:
+        async with slot_held(client):  # whatever is admitted now stays queued, countable
+            refused = await client.post("/v1/embeddings", json=embeddings(5))
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert (error["type"], error["code"]) == ("rate_limit_error", "backlog_full")
+            assert await waiting(redis, "tenant-embed-cap") == 0  # not one of the five was queued
+            # A call the cap holds is admitted whole: its three inputs wait behind the slot.
+            fitting = asyncio.create_task(client.post("/v1/embeddings", json=embeddings(3)))
+            deadline = time.monotonic() + 10
+            while await waiting(redis, "tenant-embed-cap") < 3:
+                assert time.monotonic() < deadline and not fitting.done(), "the three inputs were not queued"
+                await asyncio.sleep(0.05)
+        answered = await fitting  # the slot was freed: they ran
+    assert answered.status_code == 200, answered.text
+    assert [item["index"] for item in answered.json()["data"]] == [0, 1, 2]
+
+
+async def usage_totals(client: httpx.AsyncClient) -> dict[str, int]:
+    return (await client.get("/usage", params={"days": 2})).json()["totals"]  # (today and, near midnight, yesterday)
+
+
+async def test_a_request_cancelled_while_queued_is_counted_once_in_the_usage(stack) -> None:
+    await set_tenant(stack, "tenant-cancel-queued", limits={"max_concurrent": 1})
+    async with client_for(stack, await new_key(stack, "tenant-cancel-queued")) as client:
+        async with slot_held(client) as running:
+            queued = await submit(client, ECHO)
+            assert (await client.get(f"/results/{queued}")).json()["status"] == "queued"
+            cancelled = await client.post(f"/results/{queued}/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "canceled", cancelled.text
+        records = [await wait_result(client, rid) for rid in (queued, running)]
+        # One more, that succeeds: once it is counted, what ended before it is counted too.
+        after = await client.post("/infer", json=ECHO, headers={"Prefer": "wait=30"})
+        records.append(after.json())
+        deadline = time.monotonic() + 10
+        while (usage := await usage_totals(client)).get("requests_succeeded", 0) < 1:
+            assert time.monotonic() < deadline, f"the last request was never counted: {usage}"
+            await asyncio.sleep(0.1)
+    assert [r["status"] for r in records] == ["canceled", "canceled", "succeeded"]
+    assert (usage["requests"], usage["requests_canceled"], usage["requests_succeeded"]) == (3, 2, 1)
+    # The queued one reports the prompt it was admitted with, and no completion.
+    assert records[0]["usage"]["prompt_tokens"] > 0 and records[0]["usage"]["completion_tokens"] == 0
+    assert usage["prompt_tokens"] == sum(r["usage"]["prompt_tokens"] for r in records)
 
 
 async def test_tokens_per_minute_charge_the_prompt_at_admission(stack) -> None:

@@ -123,6 +123,10 @@ class Edge:
                         utf8.decode(chunk, final=body_done)
                     except UnicodeDecodeError:
                         raise BodyRefused(422, "invalid_json", "the body is not UTF-8: JSON bodies are UTF-8") from None
+                    # UTF-16 or UTF-32 without a byte-order mark decodes as UTF-8 (its zero
+                    # bytes are NULs), and json.loads would read it: JSON text has no NUL.
+                    if b"\x00" in chunk:
+                        raise BodyRefused(422, "invalid_json", "the body is not UTF-8: JSON bodies are UTF-8")
             else:
                 body_done = True
             return message

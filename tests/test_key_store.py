@@ -1,0 +1,148 @@
+"""The API key store on a MongoDB-wire server and a Redis of its own (no Triton, no
+gateway): what a gateway's key cache serves while MongoDB is down. A key verified before
+still works; a revoked key, here or on another gateway, does not come back; a flood of
+random keys does not push out the keys of real callers. One behaviour per test."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
+
+from gateway.common.redis import RedisClients
+from gateway.protocol.redis_keys import KEYS_CHANNEL
+from gateway.server.tenants import keys
+from gateway.server.tenants.keys import KeyStore, announcer, follow_key_changes
+from gateway.stack.process import ManagedProcess, free_port
+from gateway.stack.services import mongo_spec, redis_spec
+
+DATABASE = "keys_test"
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    data: Path = tmp_path_factory.mktemp("keys-redis")
+    port = free_port()
+    process = ManagedProcess(redis_spec(data_dir=data, host="127.0.0.1", port=port, name="keys-redis"))
+    process.start()
+    process.wait_ready(time.monotonic() + 30)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.stop()
+
+
+@dataclass
+class Mongo:
+    """A MongoDB-wire server of one test (the test stops it: the outage) and a client of it."""
+
+    process: ManagedProcess
+    client: AsyncMongoClient
+
+    def store(self, **options) -> KeyStore:
+        return KeyStore(self.client, DATABASE, **options)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+@pytest.fixture
+async def mongo_server(tmp_path: Path) -> AsyncIterator[Mongo]:
+    port = free_port()
+    process = ManagedProcess(mongo_spec(data_dir=tmp_path, host="127.0.0.1", port=port))
+    process.start()
+    process.wait_ready(time.monotonic() + 60)
+    # Down, a call fails in half a second instead of waiting out the default 30 s.
+    client: AsyncMongoClient = AsyncMongoClient(
+        f"mongodb://127.0.0.1:{port}", tz_aware=True, serverSelectionTimeoutMS=500, connectTimeoutMS=500
+    )
+    try:
+        yield Mongo(process, client)
+    finally:
+        await client.close()
+        process.stop()
+
+
+@pytest.fixture
+async def redis_clients(redis_url: str) -> AsyncIterator[RedisClients]:
+    clients = RedisClients.open(url=redis_url, cluster_nodes=[], timeout_s=2.0, max_connections=8)
+    yield clients
+    await clients.aclose()
+
+
+async def verified(store: KeyStore, token: str) -> str | None:
+    """The id of the key the token verifies as; None when it is refused, as unknown or
+    revoked or because it cannot be checked now (MongoDB down and the key not cached: the
+    gateway answers 503)."""
+    try:
+        info = await store.verify(token)
+    except PyMongoError:
+        return None
+    return info.key_id if info is not None else None
+
+
+async def test_a_cached_key_still_verifies_while_mongodb_is_down(mongo_server: Mongo) -> None:
+    store = mongo_server.store(cache_s=0)  # every verification asks MongoDB first
+    info, token = await store.create("tenant-a")
+    assert await verified(store, token) == info.key_id
+    mongo_server.stop()
+    assert await verified(store, token) == info.key_id
+
+
+async def test_a_key_revoked_here_does_not_come_back_while_mongodb_is_down(mongo_server: Mongo) -> None:
+    store = mongo_server.store(cache_s=0)
+    info, token = await store.create("tenant-a")
+    assert await verified(store, token) == info.key_id  # cached
+    assert await store.revoke(info.key_id)
+    mongo_server.stop()
+    assert await verified(store, token) is None
+
+
+async def test_a_key_revoked_on_another_gateway_does_not_come_back_while_mongodb_is_down(
+    mongo_server: Mongo, redis_clients: RedisClients
+) -> None:
+    gateway = mongo_server.store(cache_s=0)
+    follower = asyncio.create_task(follow_key_changes(gateway, redis_clients))
+    try:
+        deadline = time.monotonic() + 10
+        while (await redis_clients.main.pubsub_numsub(KEYS_CHANNEL))[0][1] == 0:
+            assert time.monotonic() < deadline, "the gateway never subscribed to key changes"
+            await asyncio.sleep(0.05)
+        admin = mongo_server.store(cache_s=0, announce=announcer(redis_clients))  # `gateway keys revoke`
+        info, token = await admin.create("tenant-a")
+        assert await verified(gateway, token) == info.key_id  # cached by the gateway
+        assert await admin.revoke(info.key_id)
+        mongo_server.stop()
+        deadline = time.monotonic() + 10
+        while await verified(gateway, token) is not None:
+            assert time.monotonic() < deadline, "the revoked key is still served from the gateway's cache"
+            await asyncio.sleep(0.05)
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+
+
+async def test_a_flood_of_random_keys_does_not_push_out_a_valid_one(
+    mongo_server: Mongo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small bounds, so the flood stays quick: it outnumbers either cache, and both together.
+    monkeypatch.setattr(keys, "MAX_CACHED_KEYS", 50)
+    monkeypatch.setattr(keys, "MAX_CACHED_MISSES", 50)
+    store = mongo_server.store(cache_s=600)
+    info, token = await store.create("tenant-a")
+    assert await verified(store, token) == info.key_id
+    flood = [f"{keys.PREFIX}{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}" for _ in range(3 * 50)]
+    for random_key in flood:
+        assert await verified(store, random_key) is None
+    mongo_server.stop()
+    assert await verified(store, token) == info.key_id
+    # The flood did overflow the cache of misses: its first key was pushed out (MongoDB is
+    # asked, and fails), its last is still answered from the cache.
+    with pytest.raises(PyMongoError):
+        await store.verify(flood[0])
+    assert await store.verify(flood[-1]) is None
