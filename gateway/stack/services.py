@@ -38,6 +38,17 @@ def _redis_ping(host: str, port: int) -> bool:
         client.close()
 
 
+def _durable(maxmemory: str) -> list[str]:
+    """Accepted means durable: the append-only file keeps accepted requests across
+    restarts. And a bound that never evicts: past it new work is refused (503
+    redis_full), what was accepted stays."""
+    return [
+        "--appendonly", "yes", "--appendfsync", "everysec",
+        "--maxmemory", maxmemory, "--maxmemory-policy", "noeviction",
+        "--save", "",
+    ]  # fmt: skip
+
+
 def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis", maxmemory: str = "1gb") -> ServiceSpec:
     redis_dir = make_private_dir(data_dir / name)
     argv = [
@@ -48,19 +59,7 @@ def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis", max
         str(port),
         "--dir",
         str(redis_dir),
-        # Accepted means durable: the append-only file keeps accepted requests across restarts.
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "everysec",
-        # A bound, and never evict: past it new work is refused (503 redis_full), what was
-        # accepted stays.
-        "--maxmemory",
-        maxmemory,
-        "--maxmemory-policy",
-        "noeviction",
-        "--save",
-        "",
+        *_durable(maxmemory),
         "--databases",
         "64",
         "--daemonize",
@@ -106,18 +105,7 @@ def redis_cluster_node_spec(
         # stands alone: no script spans two).
         "--cluster-require-full-coverage",
         "no",
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "everysec",
-        # A bound, and never evict: past it new work is refused (503 redis_full), what was
-        # accepted stays.
-        "--maxmemory",
-        maxmemory,
-        "--maxmemory-policy",
-        "noeviction",
-        "--save",
-        "",
+        *_durable(maxmemory),
         "--daemonize",
         "no",
     ]
