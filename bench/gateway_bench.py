@@ -654,6 +654,7 @@ async def run(args: argparse.Namespace, gateway_urls: list[str], triton_url: str
             await closed_loop(call, 8, 2, lambda: 0.0)
     processes = f", {http.cpu.count} gateway processes" if http.cpu is not None else ""
     report: list[str] = [f"Gateways {', '.join(gateway_urls)}{processes}; Triton {triton_url}.", ""]
+    printed = 0
     for section in args.sections:
         if section == "open":
             report += await section_open(args, calls, http)
@@ -668,7 +669,8 @@ async def run(args: argparse.Namespace, gateway_urls: list[str], triton_url: str
         elif section == "llm":
             report += await section_llm(args, triton, http)
         report.append("")
-        print("\n".join(report), flush=True)  # partial results survive an interrupted run
+        print("\n".join(report[printed:]), flush=True)  # each section as it ends: partial results survive
+        printed = len(report)
     await http.close()
     await triton.close()
     return "\n".join(report)
