@@ -30,9 +30,18 @@ async def _search(http, **query) -> dict:
     return response.json()
 
 
+async def _until_searchable(http, found_by: list[tuple[str, dict]], timeout: float = 30) -> None:
+    """Until each stored result is in the index: its own input, as the query, finds it."""
+    deadline = time.monotonic() + timeout
+    for request_id, query in found_by:
+        while request_id not in [hit["request_id"] for hit in (await _search(http, **query, k=10))["hits"]]:
+            assert time.monotonic() < deadline, f"{request_id} not searchable after {timeout}s"
+            await asyncio.sleep(0.05)
+
+
 async def test_a_text_query_finds_its_matching_stored_text_first(http) -> None:
     ids = await _embed_all(http, "text_embed", [{"text": t} for t in TEXTS])
-    await asyncio.sleep(1.0)
+    await _until_searchable(http, [(i, {"text": t}) for i, t in zip(ids, TEXTS, strict=True)])
     result = await _search(http, text="a musician getting her violin ready for a performance", k=3)
     assert result["space"] == "minilm"
     top = result["hits"][0]
@@ -58,7 +67,7 @@ async def test_a_stored_result_is_searchable_within_one_second(http) -> None:
 async def test_clip_search_by_image_finds_the_same_image_first(http) -> None:
     images = [base64.b64encode(png_bytes(color)).decode() for color in ((250, 10, 10), (10, 10, 250), (10, 250, 10))]
     ids = await _embed_all(http, "clip_image", [{"image": image} for image in images])
-    await asyncio.sleep(1.0)
+    await _until_searchable(http, [(i, {"image": image}) for i, image in zip(ids, images, strict=True)])
     result = await _search(http, image=images[1], k=2)
     assert result["space"] == "clip"
     assert result["hits"][0]["request_id"] == ids[1]
@@ -66,8 +75,8 @@ async def test_clip_search_by_image_finds_the_same_image_first(http) -> None:
 
 
 async def test_clip_text_search_returns_clip_records(http) -> None:
-    await _embed_all(http, "clip_text", [{"text": "a blue square"}])
-    await asyncio.sleep(1.0)
+    [request_id] = await _embed_all(http, "clip_text", [{"text": "a blue square"}])
+    await _until_searchable(http, [(request_id, {"text": "a blue square", "space": "clip"})])
     result = await _search(http, text="a blue square", space="clip", k=3)
     assert result["hits"]
     assert {h["record"]["model"] for h in result["hits"]} <= {"clip_text", "clip_image"}
