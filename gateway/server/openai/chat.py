@@ -187,6 +187,19 @@ def chat_request(body: ChatCompletionRequest, svc: Services, seed_key: str | Non
         prompt_cache_key=body.prompt_cache_key,
     )
     labels = common.metadata(body, "chat.completions", plan.tier)
+    return _choices(body, svc, inputs, native, labels, plan.tier, seeds(body.seed, count, seed_key))
+
+
+def _choices(
+    body: ChatCompletionRequest | CompletionRequest,
+    svc: Services,
+    inputs: dict[str, Any],
+    native: dict[str, Any],
+    labels: dict[str, str],
+    run_as: common.Tier,
+    choice_seeds: list[int | None],
+) -> list[InferRequest]:
+    """One ordinary request per choice, each with its own seed."""
     return [
         InferRequest(
             model=body.model,
@@ -194,10 +207,10 @@ def chat_request(body: ChatCompletionRequest, svc: Services, seed_key: str | Non
             parameters=native | ({"seed": seed} if seed is not None else {}),
             stream=bool(body.stream),
             metadata=labels,
-            priority=plan.tier.priority,
-            timeout_s=common.timeout_for(svc, plan.tier),
+            priority=run_as.priority,
+            timeout_s=common.timeout_for(svc, run_as),
         )
-        for seed in seeds(body.seed, count, seed_key)
+        for seed in choice_seeds
     ]
 
 
@@ -221,18 +234,8 @@ def completion_request(body: CompletionRequest, svc: Services, seed_key: str | N
     natives = []
     for number, prompt in enumerate(prompts):
         inputs = {"text_input": prompt, "max_tokens": body.max_tokens or 16, "stop_words": body.stop_words()}
-        for seed in seeds(body.seed, body.choices, seed_key and f"{seed_key}:{number}"):
-            natives.append(
-                InferRequest(
-                    model=body.model,
-                    inputs=inputs,
-                    parameters=native | ({"seed": seed} if seed is not None else {}),
-                    stream=bool(body.stream),
-                    metadata=labels,
-                    priority=run_as.priority,
-                    timeout_s=common.timeout_for(svc, run_as),
-                )
-            )
+        choice_seeds = seeds(body.seed, body.choices, seed_key and f"{seed_key}:{number}")
+        natives += _choices(body, svc, inputs, native, labels, run_as, choice_seeds)
     return natives
 
 
