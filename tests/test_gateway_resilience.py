@@ -4,16 +4,18 @@ mid-run, and a gateway process killed with requests queued."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from datetime import datetime
 
 import httpx
+import jsonschema
 import pytest
 
 from gateway.stack.process import ManagedProcess
 from tests.conftest import AUTH, kill_by_pid
-from tests.gateway_calls import llm_body, submit, wait_all, wait_result
+from tests.gateway_calls import llm_body, read_events, submit, wait_all, wait_result
 
 
 async def test_a_full_backlog_answers_429_with_retry_after(stack) -> None:
@@ -130,6 +132,56 @@ async def test_a_restarted_triton_serves_within_two_seconds_of_being_ready(stack
         assert started - ready_at <= 2.0, f"served {started - ready_at:.2f}s after Triton was ready"
     finally:
         stack.stop(gateway)
+
+
+WORDS = {
+    "type": "object",
+    "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 40}},
+    "required": ["words"],
+    "additionalProperties": False,
+}
+
+
+async def _key_routed_to(client: httpx.AsyncClient, replica: str) -> str:
+    """A prompt_cache_key whose requests the gateway sends to `replica` (affinity)."""
+    for attempt in range(16):
+        key = f"resume-{attempt}"
+        body = {"model": "llm_synthetic", "inputs": {"text_input": "which one?", "max_tokens": 2}}
+        record = await wait_result(client, await submit(client, {**body, "parameters": {"prompt_cache_key": key}}))
+        if record["replica"] == replica:
+            return key
+    raise AssertionError(f"no cache key was routed to {replica}")
+
+
+async def test_a_structured_output_survives_a_replica_killed_mid_stream_as_valid_json(stack, two_replicas) -> None:
+    second: ManagedProcess = two_replicas["second_process"]
+    async with httpx.AsyncClient(headers=AUTH, base_url=two_replicas["url"], timeout=60) as client:
+        await _until(lambda: _has_both(client, two_replicas))
+        key = await _key_routed_to(client, two_replicas["second"])
+        body = {
+            "model": "llm_synthetic",
+            "inputs": {
+                "text_input": "List some words.",
+                "max_tokens": 400,
+                "guided_decoding": {"guide_type": "json_schema", "guide": json.dumps(WORDS)},
+            },
+            "parameters": {"prompt_cache_key": key, "top_p": 1.0},
+            "stream": True,
+        }
+        ids = [await submit(client, body) for _ in range(3)]
+        # Each has streamed part of its document from the second replica when it dies.
+        await asyncio.gather(*(read_events(client, rid, limit=4) for rid in ids))
+        kill_by_pid(second)
+        records = await wait_all(client, ids, timeout=120)
+        streamed = [await read_events(client, rid) for rid in ids]
+    second.start()
+    await asyncio.to_thread(second.wait_ready, time.monotonic() + 240)
+    for record, events in zip(records, streamed, strict=True):
+        assert record["status"] == "succeeded", record
+        assert record["replica"] == two_replicas["first"]  # it moved
+        text = record["outputs"]["text_output"]
+        jsonschema.validate(json.loads(text), WORDS)  # one whole document, not a part and a new one
+        assert "".join(json.loads(e["data"])["text_output"] for e in events if e["event"] == "token") == text
 
 
 async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) -> None:

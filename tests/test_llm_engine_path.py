@@ -186,3 +186,48 @@ async def test_a_second_request_with_the_same_prefix_prefills_only_its_suffix(ht
         == whole_blocks
     )
     assert _engine_metric(stack, "llm_engine_prefilled_tokens") - prefilled == len(ids_second) - whole_blocks * 32
+
+
+async def test_the_ensemble_path_reports_usage_by_the_models_tokenizer(http, tiny_models) -> None:
+    prompt = "Once upon a time there was"
+    response = await http.post(
+        "/infer",
+        json={
+            "model": "llm_ensemble",
+            "inputs": {"text_input": prompt, "max_tokens": 5},
+            "parameters": {"seed": 3, "top_k": 20},
+        },
+        headers={"Prefer": "wait=30"},
+    )
+    record = response.json()
+    assert record["status"] == "succeeded", record
+    assert record["usage"]["prompt_tokens"] == len(_tokenizer(tiny_models).encode(prompt).ids)
+    assert 0 < record["usage"]["completion_tokens"] <= 5
+
+
+async def test_a_streamed_ensemble_request_reports_usage_and_its_text(http) -> None:
+    body = {
+        "model": "llm_ensemble",
+        "inputs": {"text_input": "Once upon a time", "max_tokens": 6},
+        "parameters": {"seed": 5, "top_k": 20},
+    }
+    request_id = await submit(http, {**body, "stream": True})
+    events = await read_events(http, request_id)
+    record = json.loads(events[-1]["data"])
+    streamed = "".join(json.loads(e["data"])["text_output"] for e in events if e["event"] == "token")
+    assert record["status"] == "succeeded", record
+    assert streamed == record["outputs"]["text_output"]
+    assert 0 < record["usage"]["completion_tokens"] <= 6
+
+
+async def test_the_ensemble_path_ends_length_when_max_tokens_is_reached(http) -> None:
+    response = await http.post(
+        "/infer",
+        json={
+            "model": "llm_ensemble",
+            "inputs": {"text_input": "Once upon a time", "max_tokens": 4},
+            "parameters": {"seed": 3, "top_k": 20},
+        },
+        headers={"Prefer": "wait=30"},
+    )
+    assert response.json()["outputs"]["finish_reason"] == "length"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,7 @@ class Submitter:
             replay = await self._replayed(who, idempotency_keys, hashes)
             if replay is not None:
                 return replay
+        bodies = [self._seeded(body, item) for body, item in zip(bodies, prepared, strict=True)]
         prompt_tokens = [self._prompt_tokens(model, p) for p in prepared]
         if not batch:  # batch lines are paced by the batch window and backlog instead
             who.headers |= await self.quotas.admit(who.config, sum(t or 0 for t in prompt_tokens) or 1)
@@ -189,6 +191,18 @@ class Submitter:
         if timeout_s > self.settings.max_timeout_s:
             raise InvalidRequest("timeout_too_long", f"timeout_s may be at most {self.settings.max_timeout_s:g}")
         return prepared
+
+    def _seeded(self, body: InferRequest, prepared: Any) -> InferRequest:
+        """A request that samples without a seed gets a fresh random one, stored with it:
+        two such requests draw differently (the engines' default seed would make them the
+        same), and a resumed run draws as the first did. (After the idempotency hash: the
+        caller's body is what a replay compares.)"""
+        adapter = self.registry.adapters[body.model]
+        if not adapter.unseeded(prepared):
+            return body
+        seed = secrets.randbits(63)
+        adapter.seed_with(prepared, seed)
+        return body.model_copy(update={"parameters": {**body.parameters, "seed": seed}})
 
     def _prompt_tokens(self, model: str, prepared: Any) -> int | None:
         return self.registry.adapters[model].prompt_tokens(prepared)

@@ -28,7 +28,7 @@ from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
 from gateway.server.dispatch.failures import Failure, classify
 from gateway.server.dispatch.relay import TokenRelay
 from gateway.server.models import InvalidInput, ModelAdapter, ModelRegistry, Run
-from gateway.server.models.base import Resume, tensor
+from gateway.server.models.base import Resume, RunError, tensor
 from gateway.server.queue.jobs import Job, JobStore
 from gateway.server.replicas import Replica, ReplicaPool
 from gateway.server.routing.router import Router
@@ -295,9 +295,15 @@ class Runner:
                 if error is not None:
                     raise classify(error)
                 self._first(control)
-                pieces = run.take(result)
+                try:
+                    pieces = run.take(result)
+                except RunError as exc:
+                    raise Failure(exc.code, exc.message, retryable=False) from exc
                 if pieces and emitter is not None:
                     await emitter.add(pieces)
+                if run.done:
+                    responses.cancel()  # the engine stops generating what nobody reads
+                    break
         except asyncio.CancelledError:
             control.stop()
             raise

@@ -20,7 +20,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from gateway.server.llm.tools import as_plain_messages, for_template, template_knows_tools
+from gateway.server.llm.tools import MARKER_TOKENS, as_plain_messages, for_template, renders_tools, tool_format
 
 
 class ChatTemplateError(ValueError):
@@ -71,13 +71,35 @@ class LlmTokenizer:
         if template is None and (self.directory / "chat_template.jinja").exists():
             template = (self.directory / "chat_template.jinja").read_text()
         self.chat_template: str | None = template
+        # How the template takes tools, and how the model writes calls (gateway.server.llm.tools).
+        self.renders_tools = renders_tools(template)
+        markers = [token for token in MARKER_TOKENS if self.tokenizer.token_to_id(token) is not None]
+        self.tool_format = tool_format(template, markers)
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (token_bytes)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def encode_prompt(self, text: str, chat: bool) -> list[int]:
+        """A prompt's token ids. A chat prompt that its template began with the BOS token is
+        encoded without the tokenizer's own special tokens (as transformers encodes a rendered
+        chat), or it would start with two BOS; text_input gets them, as before."""
+        rendered_bos = chat and bool(self.bos_token) and text.startswith(self.bos_token or "")
+        return self.tokenizer.encode(text, add_special_tokens=not rendered_bos).ids
+
     def encode_words(self, words: list[str]) -> list[list[int]]:
         return [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words]
+
+    def exact_words(self, words: list[str]) -> list[list[int]]:
+        """The words whose token ids decode to exactly their text: an engine that stops on
+        those ids has generated the text (SentencePiece's leading space, or a word that is
+        tokenized otherwise in context, would make the engine stop where the text has no
+        stop sequence, or miss one)."""
+        found = []
+        for word, ids in zip(words, self.encode_words(words), strict=True):
+            if ids and self.tokenizer.decode(ids, skip_special_tokens=False) == word:
+                found.append(ids)
+        return found
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -93,8 +115,8 @@ class LlmTokenizer:
         tools, else as the generic Hermes-style prompt (gateway.server.llm.tools)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send text_input instead of messages")
-        if template_knows_tools(self.chat_template):
-            messages, offered = for_template(messages), tools or None
+        if self.renders_tools:
+            messages, offered = for_template(messages, self.tool_format), tools or None
         else:
             messages, offered = as_plain_messages(messages, tools), None
         try:

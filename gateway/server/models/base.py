@@ -22,6 +22,14 @@ class InvalidInput(Exception):
         self.code, self.message, self.details = code, message, details
 
 
+class RunError(Exception):
+    """A run cannot go on, whatever replica it tries (the request fails with this code)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 @dataclass(frozen=True)
 class Piece:
     """Generated text to emit as a token event; ids are the token ids behind it."""
@@ -64,6 +72,12 @@ class Run:
         """The outputs (and token usage) once the last response has arrived; also what
         was produced so far, for a run that was cut short."""
         raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        """The answer is complete before the replica's stream ended (a stop sequence was
+        found): the runner closes the stream, which stops the generation."""
+        return False
 
     @property
     def produced(self) -> bool:
@@ -110,6 +124,16 @@ class ModelAdapter:
     def deterministic(self, prepared: Any) -> bool:
         """Whether running the request again gives the same output (greedy or seeded)."""
         return True
+
+    def unseeded(self, prepared: Any) -> bool:
+        """Whether the request samples without a seed of its own: the submission gives it a
+        fresh one (seed_with), stored with it, so that every run of it draws alike."""
+        parameters = getattr(prepared, "parameters", None)
+        return bool(getattr(parameters, "unseeded", False))
+
+    def seed_with(self, prepared: Any, seed: int) -> None:
+        """Set the seed of a prepared request (unseeded() was true)."""
+        prepared.parameters = prepared.parameters.model_copy(update={"seed": seed})
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.name, "kind": self.kind, "triton_model": self.triton_model}

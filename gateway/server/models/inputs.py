@@ -38,6 +38,17 @@ class LlmParameters(Strict):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
 
+    @property
+    def greedy(self) -> bool:
+        """TensorRT-LLM's rule (both contracts): temperature 0, or no top_k above 1 and no
+        top_p, is greedy search; anything else samples."""
+        return self.temperature == 0 or ((self.top_k or 0) <= 1 and not self.top_p)
+
+    @property
+    def unseeded(self) -> bool:
+        """Samples without a seed: the engines' default seed would draw the same every time."""
+        return self.seed is None and not self.greedy
+
 
 class EngineParameters(LlmParameters):
     """The parameters of an LLM on its engine or the llmapi contract (the ensemble takes only

@@ -3,12 +3,17 @@ local stand-in llm_engine): the gateway owns the tokens.
 
 The prompt (text, or chat messages rendered with the model's chat template) is
 tokenized here, checked against the engine's input limit before anything is queued
-(422 prompt_too_long), and sent as input_ids; stop and bad words go as TensorRT-LLM word
-lists. Responses carry output_ids, detokenized incrementally so that streamed pieces,
-joined, equal the final text. Every record carries usage (prompt and completion
+(422 prompt_too_long), and sent as input_ids; bad words go as TensorRT-LLM word lists. Stop
+sequences are matched here on the detokenized text (gateway.server.llm.stops: left out of
+the text, held back while they may begin, the engine's stream closed when one is found);
+only those whose token ids decode to exactly their text also go to the engine. Responses
+carry output_ids, detokenized incrementally so that streamed pieces, joined, equal the final
+text. Every record carries usage (prompt and completion
 tokens). Cancelling the gRPC stream cancels the generation (the engine checks every
 cancellation_check_period_ms). A run interrupted after sending tokens is resumed by
-a new run that continues from them.
+a new run that continues from them; with guided decoding the new run generates them again
+from the prompt and checks them (the engine's grammar must see them: a fresh grammar after
+them would start a second document), failing `resume_diverged` if the engine differs.
 
 What else of TensorRT-LLM's engine contract it uses:
 - logprobs: return_log_probs, read from output_log_probs (each new token's log-probability);
@@ -35,8 +40,19 @@ from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import Usage
 from gateway.server.llm.detokenizer import Detokenizer
+from gateway.server.llm.stops import StopMatcher
 from gateway.server.llm.tokenizer import ChatTemplateError, LlmTokenizer, word_list
-from gateway.server.models.base import InvalidInput, ModelAdapter, Piece, Resume, Run, bytes_tensor, check, tensor
+from gateway.server.models.base import (
+    InvalidInput,
+    ModelAdapter,
+    Piece,
+    Resume,
+    Run,
+    RunError,
+    bytes_tensor,
+    check,
+    tensor,
+)
 from gateway.server.models.inputs import MAX_TEXT_CHARS, EngineParameters, Strict, Word
 from gateway.server.routing.blocks import block_keys
 
@@ -116,6 +132,9 @@ class EngineRequest:
     max_tokens: int
     stop_ids: list[list[int]]
     bad_ids: list[list[int]]
+    # The stop sequences the engine can stop on itself: those whose token ids stand for
+    # exactly their text (the gateway matches every one on the text in any case).
+    engine_stop_ids: list[list[int]] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # the prompt's block hash chain, for routing
 
 
@@ -132,14 +151,35 @@ class EngineRun(Run):
         self.sent = 0
         self.logprobs: list[dict[str, Any]] = []  # OpenAI's entries, for the tokens this process saw
         self.reused_blocks: int | None = None  # prompt blocks the engine served from its cache
+        # Stop sequences, matched on the text (what the engine is sent is only an exact subset).
+        self.stops = StopMatcher(prepared.inputs.stop_words)
+        self.text = ""  # the text given out: up to the stop sequence, if one came
+        # A guided run that resumes generates the tokens already sent again and checks them
+        # (replay), so that the engine's grammar has seen them: a grammar started afresh
+        # after them would begin a second document. Others continue from them directly.
+        self.replay: list[int] = []
+        self.replayed = 0
         if resume is not None and resume.token_ids:
             self.generated = list(resume.token_ids)
             self.detok.prime(self.generated)
+            self.text = self.detok.text
+            self._replay_if_guided()
+
+    def _replay_if_guided(self) -> None:
+        if self.prepared.inputs.guided_decoding is not None and self.generated:
+            self.replay, self.replayed = list(self.generated), 0
+            self.logprobs = []  # (they come again with the replayed tokens)
+
+    @property
+    def done(self) -> bool:
+        """A stop sequence ended the text: the engine's stream can be closed."""
+        return self.stops.stopped
 
     def inputs(self, stream: bool) -> list[InferInput]:
         p = self.prepared
-        ids = np.array([p.prompt_ids + self.generated], dtype=np.int32)
-        remaining = max(1, p.max_tokens - len(self.generated))
+        continued = [] if self.replay else self.generated
+        ids = np.array([p.prompt_ids + continued], dtype=np.int32)
+        remaining = max(1, p.max_tokens - len(continued))
         items = [
             tensor("input_ids", ids, "INT32"),
             tensor("input_lengths", np.array([[ids.shape[1]]], dtype=np.int32), "INT32"),
@@ -149,7 +189,7 @@ class EngineRun(Run):
             tensor("streaming", np.array([[stream]], dtype=np.bool_), "BOOL"),
             tensor("exclude_input_in_output", np.array([[True]], dtype=np.bool_), "BOOL"),
         ]
-        for name, words in (("stop_words_list", p.stop_ids), ("bad_words_list", p.bad_ids)):
+        for name, words in (("stop_words_list", p.engine_stop_ids), ("bad_words_list", p.bad_ids)):
             array = word_list(words)
             if array is not None:
                 items.append(tensor(name, array, "INT32"))
@@ -203,11 +243,23 @@ class EngineRun(Run):
             self._take_logprobs(result, tokens)
         pieces = []
         for token in tokens:
+            if self.replayed < len(self.replay):
+                if int(token) != self.replay[self.replayed]:
+                    raise RunError(
+                        "resume_diverged",
+                        f"the resumed run generated other tokens than the {len(self.replay)} already sent "
+                        "(the engine is not deterministic for this request); submit it again",
+                    )
+                self.replayed += 1
+                continue
+            if self.stops.stopped:
+                break  # (tokens the engine made past a stop sequence are not the answer's)
             self.generated.append(int(token))
             self.pending.append(int(token))
-            text = self.detok.step(int(token))
+            text = self.stops.feed(self.detok.step(int(token)))
             if text:
                 pieces.append(Piece(text, tuple(self.pending)))
+                self.text += text
                 self.pending = []
         self.sent += len(pieces)
         return pieces
@@ -235,19 +287,22 @@ class EngineRun(Run):
             self.logprobs.append(entry)  # (logprob None: the engine sent none for it)
 
     def flush(self) -> list[Piece]:
-        rest = self.detok.finish()
+        if self.stops.stopped:
+            return []
+        rest = self.stops.feed(self.detok.finish())
+        rest += self.stops.finish()
         if not rest and not self.pending:
             return []
         piece, self.pending = Piece(rest, tuple(self.pending)), []
+        self.text += rest
         return [piece] if rest else []
 
     def final(self) -> tuple[dict[str, Any], Usage | None]:
         p = self.prepared
-        stopped_by_word = any(w and self.generated[-len(w) :] == w for w in p.stop_ids)
-        length = len(self.generated) >= p.max_tokens and not stopped_by_word
-        outputs: dict[str, Any] = {"text_output": self.detok.text, "finish_reason": "length" if length else "stop"}
+        length = len(self.generated) >= p.max_tokens and not self.stops.stopped
+        outputs: dict[str, Any] = {"text_output": self.text, "finish_reason": "length" if length else "stop"}
         if p.parameters.logprobs:
-            outputs["logprobs"] = self.logprobs
+            outputs["logprobs"] = self.logprobs[: len(self.generated)]
         return outputs, self.adapter.usage(p, len(self.generated), self.reused_blocks)
 
     @property
@@ -257,7 +312,8 @@ class EngineRun(Run):
     def carry_from(self, previous: Run) -> None:
         if isinstance(previous, EngineRun):
             self.generated, self.detok, self.pending = previous.generated, previous.detok, previous.pending
-            self.logprobs = previous.logprobs
+            self.logprobs, self.stops, self.text = previous.logprobs, previous.stops, previous.text
+            self._replay_if_guided()
 
 
 def _optional(result: InferResult, name: str) -> np.ndarray | None:
@@ -317,7 +373,7 @@ class EngineLlmAdapter(ModelAdapter):
 
     def prepare(self, inputs: EngineInputs, parameters: EngineParameters) -> EngineRequest:
         text = self.render(inputs)
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode_prompt(text, chat=inputs.messages is not None)
         if not ids:
             raise InvalidInput("invalid_inputs", f"{self.name}: the prompt is empty after tokenization")
         room = self.context_length - len(ids)
@@ -334,6 +390,7 @@ class EngineLlmAdapter(ModelAdapter):
             prompt_ids=ids,
             max_tokens=max_tokens,
             stop_ids=self.tokenizer.encode_words(inputs.stop_words),
+            engine_stop_ids=self.tokenizer.exact_words(inputs.stop_words),
             bad_ids=self.tokenizer.encode_words(inputs.bad_words),
             keys=block_keys(ids, self.tokens_per_block),
         )

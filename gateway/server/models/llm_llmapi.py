@@ -210,9 +210,7 @@ class LlmapiLlmAdapter(EngineLlmAdapter):
         return LlmapiRun(self, prepared, skip=resume.pieces if resume else 0)
 
     def deterministic(self, prepared: EngineRequest) -> bool:
-        p = prepared.parameters
-        greedy = p.temperature == 0 or ((p.top_k or 0) <= 1 and not p.top_p)
-        return greedy or p.seed is not None
+        return not prepared.parameters.unseeded
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "mode": "llmapi"}

@@ -66,6 +66,9 @@ class ModelSpec(BaseModel):
     max_input_tokens: int | None = None
     context_length: int | None = None  # default: the model's own (config.json)
     max_output_tokens: int = 4096
+    # ensemble: it takes return_num_input_tokens / return_num_output_tokens (tensorrtllm_backend's
+    # engine has them; an older ensemble that does not pass them on says false here).
+    token_counts: bool = True
     tokens_per_block: int = 32
 
     @model_validator(mode="after")
@@ -80,7 +83,15 @@ LOCAL_PROFILE = [
     ModelSpec(name="llm", kind="llm", mode="engine", triton_model="llm_engine", tokenizer="$LLM_MODEL_DIR"),
     # The same engine through the text ensemble (tokenizing inside Triton), as clients of
     # Triton's own API call it; a stop request ends a running one.
-    ModelSpec(name="llm_ensemble", kind="llm", mode="ensemble", triton_model="llm", stop_model="llm_engine"),
+    # (Its tokenizer counts the prompt at admission, for tokens per minute.)
+    ModelSpec(
+        name="llm_ensemble",
+        kind="llm",
+        mode="ensemble",
+        triton_model="llm",
+        stop_model="llm_engine",
+        tokenizer="$LLM_MODEL_DIR",
+    ),
     # The same model behind TensorRT-LLM's llmapi contract (text in and out), on a stand-in.
     ModelSpec(name="llm_llmapi", kind="llm", mode="llmapi", tokenizer="$LLM_MODEL_DIR"),
     # Synthetic engines (no compute): a steady token stream for measuring the relay, and
@@ -136,7 +147,10 @@ def build_adapter(spec: ModelSpec) -> ModelAdapter:
         from gateway.server.models.llm_llmapi import LlmapiLlmAdapter
 
         return LlmapiLlmAdapter(spec, triton_model, tokenizer_dir=os.path.expandvars(spec.tokenizer or ""))
-    return EnsembleLlmAdapter(spec.name, triton_model, stop_model=spec.stop_model)
+    tokenizer = os.path.expandvars(spec.tokenizer) if spec.tokenizer else None
+    return EnsembleLlmAdapter(
+        spec.name, triton_model, stop_model=spec.stop_model, tokenizer_dir=tokenizer, token_counts=spec.token_counts
+    )
 
 
 class ModelRegistry:

@@ -44,7 +44,7 @@ from gateway.server.openai.batches import (
     BatchStore,
 )
 from gateway.server.openai.chat import chat_completion, chat_request, completion_request, text_completion
-from gateway.server.openai.common import raise_for_record, tokens_per_block
+from gateway.server.openai.common import raise_for_record, tokens_per_block, tool_format
 from gateway.server.openai.embeddings import embedding_adapter, embedding_requests, embeddings_response
 from gateway.server.openai.errors import error_status, openai_error_body
 from gateway.server.openai.files import OUTPUT_PURPOSE
@@ -103,7 +103,7 @@ def line_response(endpoint: str, body: dict[str, Any], records: list[ResultRecor
             raise_for_record(record)
         tpb = tokens_per_block(svc, parsed.model)
         if isinstance(parsed, ChatCompletionRequest):
-            return 200, chat_completion(records, parsed, tpb)
+            return 200, chat_completion(records, parsed, tpb, tool_format(svc, parsed.model))
         return 200, text_completion(records, parsed, tpb)
     except ApiError as exc:
         return error_status(exc.status), openai_error_body(exc.status, exc.code, exc.message, exc.details)

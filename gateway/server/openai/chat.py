@@ -12,10 +12,13 @@ stream cancels the generation.
   a choice's log-probabilities come with its last chunk (the one with finish_reason).
 - response_format json_object / json_schema: guided decoding on the engine (the output is
   valid JSON, of the schema).
-- tools / tool_choice: auto offers the tools and reads <tool_call> blocks from the text
-  (streamed: text that may begin a block is held back, a call goes out whole when its block
-  closes); required or a named function forces one call by guided decoding; none offers no
-  tools. A call ends the choice with finish_reason tool_calls.
+- tools / tool_choice: auto offers the tools and reads the calls from the text in the
+  format of the model's template family (gateway.server.llm.tools; streamed: text that may
+  begin a call is held back, a call goes out whole); required or a named function forces one
+  call by guided decoding (a call cut by max_tokens is still a call, finish_reason length);
+  none offers no tools. A call ends the choice with finish_reason tool_calls.
+- sampling: OpenAI's defaults (openai_sampling); stop sequences are matched on the text by
+  the engine adapter (gateway.server.llm.stops) and left out of it.
 - service_tier: flex runs in the batch band with a long deadline, priority in the high
   band; the answer says which ran (auto and default: default).
 - prompt_cache_key: routing affinity (requests with the same key prefer the same replica)."""
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -67,9 +69,11 @@ class ChatPlan:
     parallel: bool = True  # several calls in one answer
     logprobs: bool = False
     tier: common.Tier = common.DEFAULT_TIER
+    # How the model writes calls (its chat template's family); None reads every family.
+    tool_format: toolcalls.ToolFormat | None = None
 
 
-def chat_plan(body: ChatCompletionRequest) -> ChatPlan:
+def chat_plan(body: ChatCompletionRequest, tool_format: toolcalls.ToolFormat | None = None) -> ChatPlan:
     """The call's tools, tool choice, logprobs and tier, checked against each other."""
     tools: list[dict[str, Any]] = []
     for index, tool in enumerate(body.tools or []):
@@ -105,6 +109,7 @@ def chat_plan(body: ChatCompletionRequest) -> ChatPlan:
         parallel=body.parallel_tool_calls is not False,
         logprobs=bool(body.logprobs),
         tier=common.tier(body.service_tier),
+        tool_format=tool_format,
     )
 
 
@@ -138,15 +143,32 @@ def parameters(body: Sampling | ResponseRequest, adapter: ModelAdapter, **extra:
     for name, feature in needs.items():
         if found.get(name) not in (None, False, 0):
             common.require(adapter, feature, name)
+    found |= openai_sampling(found.get("temperature"), found.get("top_p"), found.get("top_k"))
     return {k: v for k, v in found.items() if v not in (None, False) and not (k == "top_logprobs" and v == 0)}
 
 
+def openai_sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> dict[str, Any]:
+    """OpenAI's sampling in the engines' terms. OpenAI samples unless told otherwise (an
+    omitted temperature or top_p is 1); TensorRT-LLM's contracts search greedily unless a
+    top_k above 1 or a top_p is given. So an omitted top_p is sent as 1 (the whole
+    distribution: sampling at the temperature), and temperature 0 is sent as top_k 1
+    (greedy on every engine, whatever it makes of a zero temperature)."""
+    if temperature == 0:
+        return {"temperature": None, "top_p": None, "top_k": 1}
+    return {
+        "temperature": 1.0 if temperature is None else temperature,
+        "top_p": 1.0 if top_p is None else top_p,
+        "top_k": top_k,
+    }
+
+
 def seeds(seed: int | None, count: int, key: str | None = None) -> list[int | None]:
-    """One seed per choice: the call's seed + i; for several choices without one, random
-    ones (the engines' default seed would make every choice the same), or ones derived from
-    `key` (an Idempotency-Key, a batch line) so that the same call again is the same requests."""
-    if seed is None and count > 1:
-        seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4]) if key else secrets.randbits(31)
+    """One seed per choice: the call's seed + i, so n choices are n distinct draws and the
+    same seed repeats. Without one, the first is derived from `key` (an Idempotency-Key, a
+    batch line: the same call again is the same requests), or left to the submission, which
+    gives each unseeded sampled request a fresh random seed."""
+    if seed is None and key:
+        seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4])
     if seed is None:
         return [None] * count
     return [(seed + i) % 2**63 for i in range(count)]
@@ -156,6 +178,7 @@ def chat_request(body: ChatCompletionRequest, svc: Services, seed_key: str | Non
     """The ordinary requests behind a chat completion, one per choice (also for the Batch API)."""
     adapter = common.llm(svc, body.model, chat=True)
     refuse_unsupported(body, "chat")
+    body.check_stream_options()
     plan = chat_plan(body)
     inputs: dict[str, Any] = {
         "messages": common.messages(body.messages),
@@ -218,6 +241,7 @@ def completion_request(body: CompletionRequest, svc: Services, seed_key: str | N
     """The ordinary requests behind a completion: n for each prompt."""
     adapter = common.llm(svc, body.model, chat=False)
     refuse_unsupported(body, "completions")
+    body.check_stream_options()
     run_as = common.tier(body.service_tier)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompts:
@@ -253,17 +277,21 @@ def _tool_call(request_id: str, index: int, call: toolcalls.ToolCall) -> dict[st
 def read_calls(text: str, plan: ChatPlan) -> tuple[str | None, list[toolcalls.ToolCall]]:
     """The message text and the tool calls in a choice's output."""
     if plan.forced:
-        call = toolcalls.parse_forced(text)
-        return (None, [call]) if call is not None else (text, [])
+        return None, [toolcalls.parse_forced(text, plan.tools)]  # cut by max_tokens: still the call
     if plan.tools:
-        content, calls = toolcalls.parse(text)
+        content, calls = toolcalls.parse(text, plan.tool_format, tools=plan.tools)
         calls = calls if plan.parallel else calls[:1]
         return (content or None) if calls else content, calls
     return text, []
 
 
-def chat_completion(records: list[ResultRecord], body: ChatCompletionRequest, tpb: int = 32) -> dict[str, Any]:
-    plan = chat_plan(body)
+def chat_completion(
+    records: list[ResultRecord],
+    body: ChatCompletionRequest,
+    tpb: int = 32,
+    tool_format: toolcalls.ToolFormat | None = None,
+) -> dict[str, Any]:
+    plan = chat_plan(body, tool_format)
     choices = []
     for index, record in enumerate(records):
         text = (record.outputs or {}).get("text_output", "")
@@ -272,7 +300,7 @@ def chat_completion(records: list[ResultRecord], body: ChatCompletionRequest, tp
         finish = common.finish_reason(record)
         if calls:
             message["tool_calls"] = [_tool_call(record.request_id, i, call) for i, call in enumerate(calls)]
-            finish = "tool_calls"
+            finish = "tool_calls" if finish != "length" else finish  # a call cut by max_tokens says so
         logprobs = {"content": common.logprobs_of(record), "refusal": None} if plan.logprobs else None
         choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs})
     first = records[0]
@@ -348,14 +376,14 @@ async def _answer(
     headers = {"x-request-id": ",".join(request_ids)}
     tpb = common.tokens_per_block(svc, body.model)
     if body.stream:
-        stream = ChunkStream(request_ids, body, tpb)
+        stream = ChunkStream(request_ids, body, tpb, common.tool_format(svc, body.model))
         return EventStream(stream.events(svc), ping=svc.settings.sse_ping_s, headers=headers)
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
     records = await common.wait_records(svc, who, request_ids, timeout)
     for record in records:
         common.raise_for_record(record)
     if isinstance(body, ChatCompletionRequest):
-        return JSONResponse(chat_completion(records, body, tpb), headers=headers)
+        return JSONResponse(chat_completion(records, body, tpb, common.tool_format(svc, body.model)), headers=headers)
     return JSONResponse(text_completion(records, body, tpb), headers=headers)
 
 
@@ -363,17 +391,26 @@ class ChunkStream:
     """The chunks of a streamed chat completion or completion, from the events of its
     requests (one per choice)."""
 
-    def __init__(self, request_ids: list[str], body: ChatCompletionRequest | CompletionRequest, tpb: int) -> None:
+    def __init__(
+        self,
+        request_ids: list[str],
+        body: ChatCompletionRequest | CompletionRequest,
+        tpb: int,
+        tool_format: toolcalls.ToolFormat | None = None,
+    ) -> None:
         self.request_ids = request_ids
         self.body = body
         self.tpb = tpb
         self.chat = isinstance(body, ChatCompletionRequest)
-        self.plan = chat_plan(body) if isinstance(body, ChatCompletionRequest) else ChatPlan()
+        self.plan = chat_plan(body, tool_format) if isinstance(body, ChatCompletionRequest) else ChatPlan()
         options = body.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.obfuscate = options is None or options.include_obfuscation
         self.parsers = [
-            toolcalls.StreamParser() if self.plan.tools and not self.plan.forced else None for _ in request_ids
+            toolcalls.StreamParser(self.plan.tool_format, tools=self.plan.tools)
+            if self.plan.tools and not self.plan.forced
+            else None
+            for _ in request_ids
         ]
         self.held = [""] * len(request_ids)  # a forced call's text, parsed at the end
         self.calls = [0] * len(request_ids)  # tool calls sent per choice
@@ -440,7 +477,8 @@ class ChunkStream:
             content, calls = read_calls(self.held[index], self.plan)
             items: list[str | toolcalls.ToolCall] = [*calls] if calls else [content or ""]
             events += self._pieces(index, record.request_id, items)
-        finish = "tool_calls" if self.calls[index] else common.finish_reason(record)
+        reason = common.finish_reason(record)  # a call cut by max_tokens says "length"
+        finish = "tool_calls" if self.calls[index] and reason != "length" else reason
         entries = common.logprobs_of(record)
         if self.chat:
             logprobs = {"content": entries, "refusal": None} if self.plan.logprobs else None

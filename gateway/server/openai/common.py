@@ -19,6 +19,7 @@ from gateway.protocol import ResultRecord, State, WebhookSpec
 from gateway.protocol.http import InferRequest
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller
+from gateway.server.llm.tools import ToolFormat
 from gateway.server.models import InvalidInput, ModelAdapter
 from gateway.server.models.llm_engine import EngineLlmAdapter
 from gateway.server.openai.schemas import TEXT_PARTS, Message, unsupported
@@ -65,6 +66,13 @@ def require(adapter: ModelAdapter, feature: str, param: str, what: str | None = 
     if feature not in features(adapter):
         mode = getattr(getattr(adapter, "spec", None), "mode", "ensemble")
         raise unsupported(param, f"{what or param} is not supported by {adapter.name} (its {mode} contract)")
+
+
+def tool_format(svc: Services, model: str) -> ToolFormat | None:
+    """How the model writes tool calls (its chat template's family), where it is known."""
+    tokenizer = getattr(svc.registry.adapters.get(model), "tokenizer", None)
+    found = getattr(tokenizer, "tool_format", None)
+    return found if isinstance(found, ToolFormat) else None
 
 
 def tokens_per_block(svc: Services, model: str) -> int:
@@ -133,6 +141,13 @@ def messages(items: list[Message]) -> list[dict[str, Any]]:
                         f"messages[{index}].content[{part_index}].type",
                         f"content parts of type {part.type} are not supported: these models read text",
                     )
+                if part.text is None:
+                    raise _invalid(f"messages[{index}].content[{part_index}].text", "a text part needs its text")
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            needs = "content or tool_calls" if m.role == "assistant" else "content"
+            raise _invalid(f"messages[{index}].content", f"a {m.role} message needs {needs}")
+        if m.role == "tool" and not m.tool_call_id:
+            raise _invalid(f"messages[{index}].tool_call_id", "a tool message needs the tool_call_id it answers")
         item: dict[str, Any] = {"role": m.role, "content": m.text() if m.content is not None else None}
         if m.tool_calls:
             item["tool_calls"] = [
@@ -149,6 +164,10 @@ def messages(items: list[Message]) -> list[dict[str, Any]]:
             item["content"] = ""
         shaped.append(item)
     return shaped
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, "invalid_request", f"{param}: {message}", details={"param": param})
 
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"

@@ -25,6 +25,8 @@ MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+# Stop sequences a call may give (OpenAI allows 4 on chat; the engines take 16 words).
+MAX_STOP = 16
 ServiceTier = Literal["auto", "default", "flex", "priority", "scale", "fast"]
 
 # Why a field OpenAI has is refused (by endpoint; "*" for all).
@@ -123,7 +125,7 @@ TEXT_PARTS = ("text", "input_text", "output_text")
 
 class TextPart(Body):
     type: str = "text"
-    text: Text = ""
+    text: Text | None = None  # required for a text part (common.messages says so by name)
 
 
 class CalledFunction(Body):
@@ -146,7 +148,7 @@ class Message(Body):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
@@ -214,9 +216,24 @@ class Sampling(Body):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
 
     def stop_words(self) -> list[str]:
+        """The stop sequences; more than MAX_STOP are refused by name, never cut."""
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)[:16]
+        words = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if len(words) > MAX_STOP:
+            raise ApiError(
+                400, "invalid_request", f"stop may hold at most {MAX_STOP} sequences", details={"param": "stop"}
+            )
+        return words
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                400,
+                "invalid_request",
+                "stream_options is only allowed when stream is true",
+                details={"param": "stream_options"},
+            )
 
     @property
     def choices(self) -> int:

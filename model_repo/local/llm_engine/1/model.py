@@ -31,6 +31,8 @@ import json
 import os
 import sys
 
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -273,6 +275,10 @@ class TritonPythonModel:
         log_probs = bool(scalar(request, "return_log_probs", False))
         generation_logits = bool(scalar(request, "return_generation_logits", False))
         perf_metrics = bool(scalar(request, "return_perf_metrics", False))
+        num_input_tokens = bool(scalar(request, "return_num_input_tokens", False))
+        num_output_tokens = bool(scalar(request, "return_num_output_tokens", False))
+        arrival_ns = time.time_ns()
+        token_times: list[int] = []  # the first and the latest response with tokens
         guide_type = text(request, "guided_decoding_guide_type")
         guide = None
         if self.guides is None and (log_probs or generation_logits or guide_type):
@@ -318,14 +324,35 @@ class TritonPythonModel:
                 width = rows[0].shape[-1] if rows else self.guides.vocab_size
                 array = np.stack(rows).astype(np.float32) if rows else np.zeros((0, width), dtype=np.float32)
                 outputs.append(pb_utils.Tensor("generation_logits", array.reshape(1, 1, len(rows), width)))
+            # Token counts as TensorRT-LLM returns them: the prompt's, and this response's.
+            if num_input_tokens:
+                outputs.append(pb_utils.Tensor("num_input_tokens", np.array([[len(prompt)]], dtype=np.int32)))
+            if num_output_tokens:
+                outputs.append(pb_utils.Tensor("num_output_tokens", np.array([[len(tokens)]], dtype=np.int32)))
             if perf_metrics:
+                now = time.time_ns()
+                if tokens:
+                    token_times[:] = [token_times[0] if token_times else now, now]
+                first_token, last_token = token_times or [now, now]
                 total_blocks = -(-len(prompt) // tpb)
                 for name, value in (
                     ("kv_cache_reused_blocks", sequence.reused_blocks),
                     ("kv_cache_alloc_new_blocks", total_blocks - sequence.reused_blocks),
                     ("kv_cache_alloc_total_blocks", total_blocks),
+                    ("total_accepted_draft_tokens", 0),  # (no speculative decoding here)
+                    ("total_draft_tokens", 0),
                 ):
                     outputs.append(pb_utils.Tensor(name, np.array([[value]], dtype=np.int32)))
+                # (This engine does not record when a request was first scheduled: its first
+                # step makes its first token, so that time stands for both.)
+                for name, value in (
+                    ("arrival_time_ns", arrival_ns),
+                    ("first_scheduled_time_ns", first_token),
+                    ("first_token_time_ns", first_token),
+                    ("last_token_time_ns", last_token),
+                ):
+                    outputs.append(pb_utils.Tensor(name, np.array([[value]], dtype=np.int64)))
+                outputs.append(pb_utils.Tensor("acceptance_rate", np.array([[0.0]], dtype=np.float32)))
             sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
 
         def fail(message: str) -> None:
