@@ -4,6 +4,8 @@ left in Redis when the work is done. One behaviour per test."""
 
 from __future__ import annotations
 
+import asyncio
+
 import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -456,6 +458,7 @@ async def test_pieces_written_again_keep_their_events_boundaries(store: JobStore
     emitter = TokenEmitter(TokenRelay(store, window_s=0), request_id, 1, first_index=0, on_cancel=lambda: None)
     for texts in (["a", "b"], ["c", "d", "e"], ["f"]):
         await emitter.add([Piece(t) for t in texts])
+        await emitter.settle()  # (each add its own event: written behind the run otherwise)
     events = SHARD.events(request_id)
     tokens = [entry for entry in await store.redis.xrange(events) if entry[1]["event"] == "token"]
     await store.redis.xdel(events, *(entry_id for entry_id, _ in tokens[1:]))  # Redis lost the last two
@@ -463,6 +466,21 @@ async def test_pieces_written_again_keep_their_events_boundaries(store: JobStore
     await emitter.refill(time.time() + 10, emitted=2)
     again = [fields for _, fields in await store.redis.xrange(events) if fields["event"] == "token"]
     assert [(f["i"], f["n"]) for f in again] == [("0", "2"), ("2", "3"), ("5", "1")]
+
+
+async def test_pieces_added_while_an_event_is_written_go_in_the_next_event(store: JobStore) -> None:
+    from gateway.server.dispatch.emitter import TokenEmitter
+    from gateway.server.dispatch.relay import TokenRelay
+    from gateway.server.models import Piece
+
+    _, (request_id,) = await queue(store, "t", 1, start_as="c1")
+    emitter = TokenEmitter(TokenRelay(store, window_s=0.05), request_id, 1, first_index=0, on_cancel=lambda: None)
+    for text in "abcdef":  # as fast as a replica's responses come: adding never waits for Redis
+        await emitter.add([Piece(text)])
+        await asyncio.sleep(0)  # (the run awaiting its next response)
+    await emitter.close(time.time() + 10)
+    tokens = [f for _, f in await store.redis.xrange(SHARD.events(request_id)) if f["event"] == "token"]
+    assert [(f["i"], f["n"]) for f in tokens] == [("0", "1"), ("1", "5")]
 
 
 def test_a_reader_skips_token_events_it_has_the_pieces_of() -> None:

@@ -3,7 +3,9 @@
 The first piece goes out at once; later ones travel with everything the run produced
 while its previous event was being written (and, through the relay, with the other
 streams' events of the same window), so Redis writes grow with time rather than with
-tokens. Each event carries the index of its first piece and how many it holds, so
+tokens. Writes happen behind the run: adding pieces never waits for Redis, so the run keeps
+reading its replica's responses while an event is in flight, and they accumulate for the
+next one. Each event carries the index of its first piece and how many it holds, so
 indexes stay exact for resuming clients.
 
 Every piece is kept until Redis has it. A write that fails (Redis away, or restarting)
@@ -62,23 +64,49 @@ class TokenEmitter:
         self._starts: list[int] = []
         self._retry_s = 0.0
         self._retry_at = 0.0
+        self._writing: asyncio.Task[None] | None = None  # the writes behind the run
+        self._failed: Exception | None = None  # what ended them (StaleRun, LostPieces)
 
     @property
     def total(self) -> int:
         return self.first_index + len(self.pieces)
 
     async def add(self, pieces: list[Piece]) -> None:
-        """Take new pieces and send what Redis lacks (unless Redis is being waited for)."""
+        """Take new pieces; Redis gets what it lacks behind the run (unless Redis is being
+        waited for). Raises what ended the writes: StaleRun ends the run."""
+        self._raise_failure()
         self.pieces.extend(pieces)
-        if self.total == self.sent or time.monotonic() < self._retry_at:
+        if self.total == self.sent or self._writing is not None or time.monotonic() < self._retry_at:
             return
+        self._writing = asyncio.create_task(self._write_behind())
+
+    async def _write_behind(self) -> None:
+        """One event after another while there are pieces Redis lacks: what arrives during
+        a write goes in the next."""
         try:
-            await self.flush(urgent=self.sent == self.first_index)  # the first event: at once
-            self._retry_s = 0.0
-        except REDIS_OUTAGE as exc:
-            self._retry_s = min(RETRY_MAX_S, max(RETRY_FIRST_S, self._retry_s * 2))
-            self._retry_at = time.monotonic() + self._retry_s
-            log.warning("request %s: token events wait for Redis (%s)", self.request_id, type(exc).__name__)
+            while self.total > self.sent and time.monotonic() >= self._retry_at:
+                try:
+                    await self.flush(urgent=self.sent == self.first_index)  # the first event: at once
+                    self._retry_s = 0.0
+                except REDIS_OUTAGE as exc:
+                    self._retry_s = min(RETRY_MAX_S, max(RETRY_FIRST_S, self._retry_s * 2))
+                    self._retry_at = time.monotonic() + self._retry_s
+                    log.warning("request %s: token events wait for Redis (%s)", self.request_id, type(exc).__name__)
+        except (StaleRun, LostPieces) as exc:
+            self._failed = exc
+        finally:
+            self._writing = None
+
+    def _raise_failure(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    async def settle(self) -> None:
+        """Wait for the writes behind the run (then nothing else writes)."""
+        writing = self._writing
+        if writing is not None:
+            await asyncio.wait({writing})
+        self._raise_failure()
 
     async def flush(self, *, urgent: bool = False) -> None:
         """Send what Redis does not hold yet, as one event."""
@@ -122,6 +150,7 @@ class TokenEmitter:
 
     async def refill(self, deadline: float, emitted: int | None = None) -> None:
         """Make Redis hold every piece (from `emitted`, when FINISH found a gap)."""
+        await self.settle()
         if emitted is not None:
             self.sent = min(self.sent, emitted)
         delay = RETRY_FIRST_S
