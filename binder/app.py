@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
@@ -66,7 +66,10 @@ def binder(request: Request) -> Binder:
 def create_app(settings: BinderSettings | None = None) -> FastAPI:
     settings = settings or BinderSettings()
     configure_logging(settings.log_level, settings.log_format)
-    metrics = BinderMetrics(stored=lambda: app.state.binder.archiver.stored_total)  # read when scraped
+    metrics = BinderMetrics(  # read when scraped
+        stored=lambda: app.state.binder.archiver.stored_total,
+        dead_lettered=lambda: app.state.binder.archiver.dead_lettered,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,6 +118,8 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             timeout_s=settings.webhook_timeout_s,
             concurrency=settings.webhook_concurrency,
             allowlist=settings.webhook_allowlist,
+            retry_after_max_s=settings.webhook_retry_after_max_s,
+            expire_after_s=settings.result_retention_s,
         )
         loops = [
             (LoopHealth("archiver"), archiver.run),
@@ -203,6 +208,12 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
                 headers={"Retry-After": str(replay.retry_after_s)},
             )
         return {"request_id": request_id, "deliveries": [replay.queued] if replay.queued else []}
+
+    @app.get("/dead-letters")
+    async def dead_letters(request: Request, limit: int = Query(default=100, ge=1, le=1000)) -> dict[str, Any]:
+        """The dead-lettered results (up to `limit` per shard, oldest first), each with its
+        error: why MongoDB could not store it, or that it kept failing."""
+        return {"dead_letters": await binder(request).archiver.dead_letters(limit)}
 
     @app.post("/dead-letters/replay")
     async def replay_dead_letters(request: Request) -> dict[str, Any]:

@@ -5,7 +5,9 @@ acknowledged its write. Stored results get their webhooks queued.
 
 Recovery needs no lock: entries left pending by a dead binder are reclaimed once idle;
 an entry delivered too often goes to the dead-letter stream with its error (and can be
-replayed from there); trimming drops only acknowledged entries.
+replayed from there); trimming drops only acknowledged entries. A result MongoDB can never
+take (BSON cannot encode it, or it is over the document size limit) goes there at once,
+with its reason: the rest of its batch is stored, and the entries after it too.
 
 MongoDB out of reach is an outage, not a bad entry: the run fails (the supervisor backs
 off and /healthz says so) instead of handing the batch to reclaim, which would count
@@ -18,6 +20,7 @@ import json
 import logging
 import math
 import time
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -82,6 +85,9 @@ class Archiver:
         }
         self._mark_stored = redis.register_script(MARK_STORED)
         self.stored_total = 0
+        # Entries this binder dead-lettered, by reason: "unencodable" and "too_large" (at
+        # once), "redelivered" (delivered max_deliveries times without being stored).
+        self.dead_lettered: dict[str, int] = {}
         self.prepared = False
 
     async def prepare(self) -> None:
@@ -96,7 +102,14 @@ class Archiver:
         """Store results for good (returns only by failing; the caller restarts it)."""
         if not self.prepared:
             await self.prepare()
-        await asyncio.gather(*(self._run_shard(shard) for shard in self.shards))
+        # A task group: one shard's loop failing stops the others before run() returns, so
+        # the restart that follows does not leave them running beside their successors.
+        try:
+            async with asyncio.TaskGroup() as group:
+                for shard in self.shards:
+                    group.create_task(self._run_shard(shard), name=f"archiver {shard.results}")
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None  # what failed, for the health report and the log
 
     async def _run_shard(self, shard: Shard) -> None:
         consumer = self.consumers[shard.index]
@@ -147,7 +160,7 @@ class Archiver:
         stream = entries[0].stream
         consumer = consumer or self._consumer_of(stream)
         records: dict[str, ResultRecord] = {}
-        entry_of: dict[str, list[str]] = {}
+        entry_of: dict[str, list[Entry]] = {}
         for entry in entries:
             try:
                 record = ResultRecord.model_validate_json(entry.fields.get("record") or "")
@@ -155,12 +168,19 @@ class Archiver:
                 log.warning("entry %s is not a result record; it will be dead-lettered after retries", entry.id)
                 continue
             records[record.request_id] = record  # the same request twice in a batch: once
-            entry_of.setdefault(record.request_id, []).append(entry.id)
+            entry_of.setdefault(record.request_id, []).append(entry)
         if not records:
             return 0
         outcome = await self.store.insert(list(records.values()))
         if outcome.unavailable:
             raise StoreUnavailable(next(iter(outcome.failed.values())))
+        dead = 0
+        for request_id, (kind, why) in outcome.refused.items():
+            with request_ids_bound(trace_id=records[request_id].trace_id, request_id=request_id):
+                for entry in entry_of[request_id]:
+                    await consumer.dead_letter(entry, f"MongoDB cannot store this result ({kind}): {why}")
+                    self._count_dead_letter(kind)
+                    dead += 1
         for request_id, error in outcome.failed.items():
             with request_ids_bound(trace_id=records[request_id].trace_id, request_id=request_id):
                 log.warning("storing %s failed: %s", request_id, error)
@@ -169,7 +189,7 @@ class Archiver:
                 with request_ids_bound(trace_id=records[request_id].trace_id, request_id=request_id):
                     log.debug("stored %s (%s)", request_id, records[request_id].status.value)
         if not outcome.stored:
-            return 0
+            return dead
         # One call per shard: a script's keys must share a slot on Redis Cluster.
         by_shard: dict[Shard, list[str]] = {}
         for rid in outcome.stored:
@@ -178,13 +198,17 @@ class Archiver:
             keys = [key for rid in ids for key in (shard.request(rid), shard.events(rid))]
             await self._mark_stored(keys=keys, args=[max(1, math.ceil(self.settings.results_keep_s))])
         await self.webhooks.enqueue([records[rid] for rid in outcome.stored])
-        acked = [entry for rid in outcome.stored for entry in entry_of[rid]]
+        acked = [entry.id for rid in outcome.stored for entry in entry_of[rid]]
         await consumer.ack(stream, *acked)
         self.stored_total += len(outcome.stored)
-        return len(acked)
+        return dead + len(acked)
 
-    @staticmethod
-    def _explain(entry: Entry) -> str:
+    def _count_dead_letter(self, reason: str) -> None:
+        self.dead_lettered[reason] = self.dead_lettered.get(reason, 0) + 1
+
+    def _explain(self, entry: Entry) -> str:
+        """Why an entry delivered too often failed (called as it is dead-lettered)."""
+        self._count_dead_letter("redelivered")
         try:
             ResultRecord.model_validate_json(entry.fields.get("record") or "")
         except ValueError as exc:
@@ -196,6 +220,28 @@ class Archiver:
             if shard.results == stream:
                 return self.consumers[shard.index]
         raise ValueError(f"{stream} is not a results stream")
+
+    async def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The oldest dead-lettered results of each shard, with why each was parked."""
+        found = []
+        for shard in self.shards:
+            for entry_id, fields in await self.redis.xrange(shard.results_dead, count=limit):
+                try:
+                    request_id = json.loads(fields.get("fields") or "{}").get("id")
+                except ValueError:
+                    request_id = None
+                found.append(
+                    {
+                        "id": entry_id,
+                        "stream": fields.get("stream"),
+                        "entry": fields.get("entry"),
+                        "request_id": request_id,
+                        "error": fields.get("error"),
+                        "deliveries": int(fields.get("deliveries") or 0),
+                        "at": float(fields.get("at") or 0),
+                    }
+                )
+        return found
 
     async def replay_dead_letters(self, limit: int = 1000) -> int:
         """Put dead-lettered results back on their results streams (after the cause, say a

@@ -2,7 +2,9 @@
 
 The lag of the `results` streams (summed over the shards) is the binders' group's, the
 same whichever binder is asked: take max() over binders, not sum(). It is read from
-Redis when scraped."""
+Redis when scraped, and so is the number of entries in the results dead-letter streams
+(binder_results_dead_letters, the same for every binder); binder_results_dead_lettered
+counts the entries this binder put there, by reason."""
 
 from __future__ import annotations
 
@@ -28,15 +30,30 @@ return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2])
 
 
 class _StoredTotal(Collector):
-    def __init__(self, stored: Callable[[], int]) -> None:
+    def __init__(self, stored: Callable[[], int], dead_lettered: Callable[[], dict[str, int]]) -> None:
         self.stored = stored
+        self.dead_lettered = dead_lettered
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily("binder_results_stored", "Results this binder stored in MongoDB", value=self.stored())
+        dead = CounterMetricFamily(
+            "binder_results_dead_lettered",
+            "Results entries this binder dead-lettered, by reason: unencodable or too_large (MongoDB can never "
+            "store them: at once), redelivered (delivered too often without being stored)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.dead_lettered().items()):
+            dead.add_metric([reason], count)
+        yield dead
 
 
 class BinderMetrics:
-    def __init__(self, stored: Callable[[], int], registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        stored: Callable[[], int],
+        registry: CollectorRegistry | None = None,
+        dead_lettered: Callable[[], dict[str, int]] = dict,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.results_lag = Gauge(
@@ -55,23 +72,31 @@ class BinderMetrics:
             ["outcome"],
             registry=r,
         )
-        r.register(_StoredTotal(stored))
+        self.results_dead_letters = Gauge(
+            "binder_results_dead_letters",
+            "Entries in the results dead-letter streams (inspect and replay: POST /dead-letters/replay)",
+            registry=r,
+        )
+        r.register(_StoredTotal(stored, dead_lettered))
 
     async def refresh(self, redis: Redis, shards: list[Shard]) -> None:
         """Read the group's lag and pending count; NaN when Redis cannot say (an outage)."""
         lag: float
         pending: float
+        dead: float
         try:
-            lag = pending = 0
+            lag = pending = dead = 0
             for shard in shards:
                 shard_lag, shard_pending = await results_backlog(redis, shard.results)
                 lag += shard_lag
                 pending += shard_pending
+                dead += await redis.xlen(shard.results_dead)
         except RedisError as exc:
             log.warning("reading the results stream's lag failed: %s", exc)
-            lag = pending = math.nan
+            lag = pending = dead = math.nan
         self.results_lag.set(lag)
         self.results_pending.set(pending)
+        self.results_dead_letters.set(dead)
 
 
 async def results_backlog(redis: Redis, stream: str) -> tuple[int, int]:

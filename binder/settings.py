@@ -64,6 +64,10 @@ class BinderSettings(ServiceSettings):
     # Seconds before each attempt (Svix-like); the first is the initial delivery.
     webhook_retry_schedule: CommaList = ["0", "5", "300", "1800", "7200", "18000", "36000", "36000"]
     webhook_jitter: float = Field(default=0.1, ge=0, le=1)
+    # The longest wait a receiver's Retry-After gets before the next attempt (a longer one
+    # counts as this); never past the delivery's expiry (RESULT_RETENTION_S after its
+    # first attempt) either.
+    webhook_retry_after_max_s: float = Field(default=3600.0, ge=0)
     # The whole of one attempt (resolving, connecting, sending, the response headers),
     # however the receiver trickles its answer; must end inside the lease.
     webhook_timeout_s: float = Field(default=15.0, gt=0)

@@ -313,3 +313,77 @@ async def test_a_write_concern_error_counts_no_record_as_stored(mongo, duplicate
     assert set(outcome.failed) == {r.request_id for r in records}
     assert all("waiting for replication timed out" in error for error in outcome.failed.values())
     assert not outcome.unavailable
+
+
+async def test_results_mongodb_cannot_store_are_dead_lettered_with_their_reason_and_later_ones_stored(
+    stack, mongo, isolated
+) -> None:
+    process, url = stack.start_binder("binder-unstorable", **isolated)
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    try:
+        huge_int = text_record("an integer BSON cannot encode")
+        huge_int.outputs = {"text_output": "counted", "count": 2**70}
+        too_large = text_record("x" * (17 * 1024 * 1024))  # over MongoDB's 16 MiB document limit
+        normal = text_record("stored after them")
+        await publish(redis, [huge_int, too_large, normal])
+        await _until(lambda: _stored(mongo, isolated["MONGO_DB"], normal.request_id), timeout=30)
+        await _until(lambda: _dead_letters(redis, 2), timeout=10)
+        await _until(lambda: _no_pending(isolated["REDIS_URL"]), timeout=10)
+        assert await _documents(mongo, isolated["MONGO_DB"]) == 1
+        async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=30) as client:
+            listed = (await client.get("/dead-letters")).json()["dead_letters"]
+            metrics = (await client.get("/metrics")).text
+        reasons = {dead["request_id"]: (dead["error"], dead["deliveries"]) for dead in listed}
+        assert set(reasons) == {huge_int.request_id, too_large.request_id}
+        error, deliveries = reasons[huge_int.request_id]
+        assert "(unencodable)" in error and "OverflowError" in error and deliveries == 1  # at once, no retries
+        error, deliveries = reasons[too_large.request_id]
+        assert "(too_large)" in error and deliveries == 1
+        assert 'binder_results_dead_lettered_total{reason="unencodable"} 1.0' in metrics
+        assert 'binder_results_dead_lettered_total{reason="too_large"} 1.0' in metrics
+        assert "binder_results_dead_letters 2.0" in metrics
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+async def _stored(mongo, database: str, request_id: str) -> bool:
+    return await mongo[database][RESULTS_COLLECTION].find_one({"_id": request_id}, {"_id": 1}) is not None
+
+
+class _ReadFails:
+    """The Redis client, except that XREADGROUP fails (one shard's Redis gone wrong)."""
+
+    def __init__(self, redis) -> None:
+        self._redis = redis
+
+    async def xreadgroup(self, *args, **kwargs):
+        raise ConnectionError("this shard's reads fail")
+
+    def __getattr__(self, name):
+        return getattr(self._redis, name)
+
+
+def _shard_loops() -> list[asyncio.Task]:
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done() and getattr(task.get_coro(), "__qualname__", "") == "Archiver._run_shard"
+    ]
+
+
+async def test_one_failing_shard_stops_the_archivers_other_shard_loops_before_run_returns(
+    stack, mongo, isolated
+) -> None:
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    store = ResultStore(mongo, isolated["MONGO_DB"], retention_s=3600)
+    archiver = Archiver(redis, store, WebhookQueue(redis), _settings(isolated, stack, "two-shards", redis_shards=2))
+    archiver.consumers[1].redis = _ReadFails(redis)
+    try:
+        with pytest.raises(ConnectionError):
+            await archiver.run()  # the supervisor would start it again now
+        assert _shard_loops() == []  # no loop of the failed run goes on beside the next one
+    finally:
+        for task in _shard_loops():
+            task.cancel()
+        await redis.aclose()

@@ -207,6 +207,35 @@ async def test_a_stop_word_longer_than_256_characters_is_422(http) -> None:
     assert response.json()["error"]["code"] == "invalid_inputs"
 
 
+_NESTED_TOO_DEEP = {
+    "arrays": "[" * 1000 + "]" * 1000,
+    "objects": '{"a":' * 1000 + "1" + "}" * 1000,
+    "in a field": '{"model": "llm", "inputs": ' + '{"a":' * 1000 + "1" + "}" * 1001,
+}
+
+
+@pytest.mark.parametrize("path", ["/infer", "/v1/chat/completions", "/v1/embeddings"])
+@pytest.mark.parametrize("shape", list(_NESTED_TOO_DEEP))
+async def test_a_json_body_nested_a_thousand_deep_is_400_not_500(http, path: str, shape: str) -> None:
+    body = _NESTED_TOO_DEEP[shape]
+    response = await http.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["message"]) == ("bad_request", "the JSON body is nested too deeply")
+
+
+async def test_tool_call_arguments_nested_a_thousand_deep_are_no_500(http) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[" * 1000 + "]" * 1000}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+    ]
+    body = {"model": "llm_synthetic", "messages": messages, "max_tokens": 2}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code in (200, 400), response.text
+
+
 async def test_too_many_stop_words_are_422(http) -> None:
     body = llm_body("hello", 4)
     body["inputs"]["stop_words"] = ["stop"] * 17

@@ -23,6 +23,9 @@ import pytest
 import redis
 
 from gateway.stack.process import TAG_ENV, TRITON_SHM_PREFIX, free_port, owned_processes, port_is_free
+from gateway.stack.services import binder_spec, gateway_spec
+from gateway.stack.settings import StackSettings
+from gateway.stack.stack import LocalStack
 
 # The console script, as the Makefile's `up` target runs it.
 GATEWAY = [str(Path(sys.executable).parent / "gateway")]
@@ -308,3 +311,41 @@ def test_up_with_a_taken_port_says_so_in_one_line(tmp_path) -> None:
         f"error: port {ports['redis_port']} (Redis) is already in use: stop what listens there "
         "or choose another port (see `gateway up --help`)"
     ]
+
+
+def _offline_launcher(data_dir: Path, tiny_models: dict[str, Path]) -> LocalStack:
+    settings = StackSettings(
+        data_dir=data_dir,
+        llm_model=str(tiny_models["gpt2"]),
+        clip_model=str(tiny_models["clip"]),
+        allow_downloads=False,
+        device="cpu",
+    )
+    return LocalStack(settings, log=lambda line: None)
+
+
+def _environments(launcher: LocalStack) -> dict[str, dict[str, str]]:
+    """The environment each server the launcher starts gets (as ManagedProcess builds it)."""
+    triton = launcher.triton(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    binder = binder_spec(data_dir=launcher.data_dir, host="127.0.0.1", port=free_port(), env=launcher.service_env)
+    gateway = gateway_spec(data_dir=launcher.data_dir, host="127.0.0.1", port=free_port(), env=launcher.service_env)
+    return {spec.name: {**os.environ, **spec.env} for spec in (triton, binder, gateway)}
+
+
+@pytest.mark.parametrize("name", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_the_servers_the_launcher_starts_never_ask_the_hugging_face_hub(
+    tmp_path, tiny_models, monkeypatch, name
+) -> None:
+    monkeypatch.delenv(name, raising=False)
+    environments = _environments(_offline_launcher(tmp_path, tiny_models))
+    assert {server: env.get(name) for server, env in environments.items()} == {
+        "triton": "1",
+        "binder": "1",
+        "gateway": "1",
+    }
+
+
+def test_a_hugging_face_offline_setting_of_the_user_is_kept(tmp_path, tiny_models, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    environments = _environments(_offline_launcher(tmp_path, tiny_models))
+    assert {env["HF_HUB_OFFLINE"] for env in environments.values()} == {"0"}

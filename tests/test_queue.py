@@ -5,7 +5,6 @@ left in Redis when the work is done. One behaviour per test."""
 from __future__ import annotations
 
 import asyncio
-
 import statistics
 import time
 from collections.abc import AsyncIterator, Iterator

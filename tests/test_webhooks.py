@@ -28,8 +28,10 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from binder.settings import BinderSettings
 from binder.webhooks import AddressGuard, Refused, sign
 from binder.webhooks.secrets import SecretsUnavailable, TenantSecrets
+from binder.webhooks.sender import retry_at
 from gateway.common.result_store import RESULTS_COLLECTION
 from gateway.protocol.records import TENANTS_COLLECTION
+from gateway.protocol.redis_keys import WEBHOOK_DUE, webhook_key
 from gateway.stack.process import LaunchError, free_port
 from tests.conftest import AUTH, WEBHOOK_SECRET
 from tests.gateway_calls import submit, wait_result
@@ -615,3 +617,64 @@ def test_an_invalid_signing_secret_stops_the_binder_at_start_with_one_line(stack
         "binder: invalid settings: WEBHOOK_SECRETS: secret 1 of 1 is not base64 after whsec_ "
         "(expected whsec_ and the base64 of 24 to 64 random bytes)"
     ]
+
+
+async def _due_after_first_attempt(redis, delivery_id: str, timeout: float = 20) -> float:
+    """The next attempt's due time, once the first attempt is saved."""
+    deadline = time.monotonic() + timeout
+    while await redis.hget(webhook_key(delivery_id), "attempts") != "1":
+        assert time.monotonic() < deadline, "the first attempt was not saved in time"
+        await asyncio.sleep(0.1)
+    due = await redis.zscore(WEBHOOK_DUE, delivery_id)
+    assert due is not None, "no retry was scheduled"
+    return due
+
+
+async def test_a_receivers_retry_after_of_days_gets_the_retry_at_the_cap(stack, isolated, receiver) -> None:
+    path = _path("retry-after-days")
+    receiver.responses[path] = [(503, {"retry-after": "999999"})]
+    process, _ = stack.start_binder(
+        "binder-retry-after-cap", WEBHOOK_RETRY_SCHEDULE="0,1", WEBHOOK_RETRY_AFTER_MAX_S="30", **isolated
+    )
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    try:
+        record = text_record(webhook=receiver.url(path))
+        await publish(redis, [record])
+        due = await _due_after_first_attempt(redis, f"{record.request_id}:completed")
+        [call] = receiver.to(path)
+        assert call.at + 29 <= due <= call.at + 31  # the Retry-After honoured up to the cap, not 11 days
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+async def test_a_proxy_named_in_the_binders_environment_is_not_used_for_webhooks(
+    stack, mongo, isolated, receiver
+) -> None:
+    path = _path("no-proxy")
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a proxied attempt fails
+    names = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    process, _ = stack.start_binder(
+        "binder-proxy-env", **dict.fromkeys(names, nowhere), NO_PROXY="", no_proxy="", **isolated
+    )
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    try:
+        record = text_record(webhook=receiver.url(path))
+        await publish(redis, [record])
+        document = await _stored_webhook(mongo, isolated["MONGO_DB"], record.request_id, {"delivered", "failed"})
+        assert document["webhook_status"] == "delivered", document["webhook_attempts"]
+        assert len(receiver.to(path)) == 1
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+def test_a_retry_after_longer_than_the_cap_counts_as_the_cap() -> None:
+    assert retry_at(1000.0, 5.0, 999999.0, cap_s=3600, expires_at=None) == 1000.0 + 3600
+    assert retry_at(1000.0, 5.0, 60.0, cap_s=3600, expires_at=None) == 1000.0 + 60  # below the cap: as asked
+    assert retry_at(1000.0, 300.0, 60.0, cap_s=3600, expires_at=None) == 1000.0 + 300  # the schedule's is longer
+
+
+def test_a_retry_after_never_moves_an_attempt_past_the_deliverys_expiry() -> None:
+    assert retry_at(1000.0, 5.0, 3000.0, cap_s=3600, expires_at=2000.0) == 2000.0
+    assert retry_at(2000.0, 5.0, None, cap_s=3600, expires_at=2000.0) is None  # expired: no attempt left

@@ -4,8 +4,12 @@ Each POST is signed per the Standard Webhooks spec (webhook-id, webhook-timestam
 webhook-signature; one v1 HMAC-SHA256 per current `whsec_` secret of the delivery's
 tenant, else of the deployment, so rotation works; secrets.py),
 keeps the same webhook-id on every attempt, does not follow redirects, and goes only to
-allowed addresses and ports (guard.py). Failures are retried on a Svix-like schedule with
-jitter; Retry-After is honoured; 410 Gone, a refused destination and a secret that cannot
+allowed addresses and ports (guard.py), never through a proxy named in the environment
+(HTTP_PROXY and the like: the guard checked the destination, not a proxy). Failures are
+retried on a Svix-like schedule with jitter; Retry-After is honoured up to
+WEBHOOK_RETRY_AFTER_MAX_S and never past the delivery's expiry (RESULT_RETENTION_S after
+its first attempt: the result it reports on is gone from MongoDB then), so a receiver
+cannot park a delivery for ever; 410 Gone, a refused destination and a secret that cannot
 sign end the delivery.
 
 Every attempt ends in a recorded outcome, whatever goes wrong in it (a host name that
@@ -60,6 +64,30 @@ def retry_after_seconds(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+def retry_at(
+    now: float, scheduled_s: float, retry_after_s: float | None, *, cap_s: float, expires_at: float | None
+) -> float | None:
+    """When the next attempt is due: the schedule's delay, or the receiver's Retry-After
+    where that is longer, but a Retry-After counts for at most cap_s; and never after the
+    delivery expires (None: it has expired, no attempt is left)."""
+    delay = scheduled_s
+    if retry_after_s is not None:
+        delay = max(delay, min(retry_after_s, cap_s))
+    if expires_at is None:
+        return now + delay
+    if now >= expires_at:
+        return None
+    return min(now + delay, expires_at)
+
+
+def first_attempt_at(delivery: Delivery) -> float | None:
+    """When the delivery's first attempt was made (epoch seconds; None before one was)."""
+    try:
+        return datetime.fromisoformat(delivery.log[0]["at"]).timestamp()
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
 def trace_id_of(delivery: Delivery) -> str | None:
     """The X-Request-ID of the call that submitted the request (the record in the payload
     holds it), when it is one that is safe in a header line."""
@@ -84,18 +112,32 @@ class WebhookSender:
         timeout_s: float,
         concurrency: int,
         allowlist: list[str],
+        retry_after_max_s: float = 3600.0,
+        expire_after_s: float | None = None,
     ) -> None:
         """on_status(request_id, status, attempts_log) records the outcome (MongoDB).
         secrets: which secrets sign a tenant's deliveries. timeout_s bounds a whole
-        attempt (and each network operation in it)."""
+        attempt (and each network operation in it). retry_after_max_s: the longest
+        Retry-After honoured; expire_after_s: how long after its first attempt a delivery
+        expires (None: never)."""
         self.queue = queue
         self.on_status = on_status
         self.secrets = secrets
         self.retry_delays = retry_delays or [0.0]
         self.jitter = jitter
         self.timeout_s = timeout_s
+        self.retry_after_max_s = retry_after_max_s
+        self.expire_after_s = expire_after_s
         self.guard = AddressGuard(allowlist)
-        self.http = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
+        # trust_env=False: no proxy (nor netrc credentials) from the environment; the guard
+        # pinned the address this connection goes to. CA certificates named there
+        # (SSL_CERT_FILE, SSL_CERT_DIR) still count.
+        self.http = httpx.AsyncClient(
+            timeout=timeout_s,
+            follow_redirects=False,
+            trust_env=False,
+            verify=httpx.create_ssl_context(trust_env=True),
+        )
         self.slots = asyncio.Semaphore(concurrency)
         self.concurrency = concurrency
         self.tasks: set[asyncio.Task[None]] = set()
@@ -236,6 +278,9 @@ class WebhookSender:
         if status != "error" or delivery.attempts >= len(self.retry_delays):
             return None
         delay = self.retry_delays[delivery.attempts] * random.uniform(1 - self.jitter, 1 + self.jitter)
-        if retry_after is not None:
-            delay = max(delay, retry_after)
-        return time.time() + delay
+        return retry_at(time.time(), delay, retry_after, cap_s=self.retry_after_max_s, expires_at=self.expiry(delivery))
+
+    def expiry(self, delivery: Delivery) -> float | None:
+        """When the delivery expires: expire_after_s after its first attempt."""
+        first = first_attempt_at(delivery)
+        return None if first is None or self.expire_after_s is None else first + self.expire_after_s

@@ -4,7 +4,12 @@ kept until expires_at (TTL index). The binder writes; the gateway reads.
 A duplicate-key error on insert means "already stored", which makes every write
 idempotent however often a result is delivered. Embeddings are stored as BSON float32
 vectors (binary subtype 9): a quarter of the size of an array of doubles, and far
-cheaper to write."""
+cheaper to write.
+
+A document MongoDB can never take (BSON cannot encode it: an integer over 64 bits, a
+string that is not UTF-8; or it is over the server's document size limit) is refused
+before anything is sent, alone: the others of its batch are stored, and the caller
+dead-letters it instead of retrying it for ever."""
 
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import bson
 from bson.binary import Binary, BinaryVectorDtype
+from bson.raw_bson import RawBSONDocument
 from pymongo import AsyncMongoClient, WriteConcern
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, ConnectionFailure, PyMongoError
@@ -26,6 +33,8 @@ log = logging.getLogger(__name__)
 RESULTS_COLLECTION = "results"
 DUPLICATE_KEY = 11000
 VECTOR_SUBTYPE = 9
+# MongoDB's document size limit, unless the server says another (hello's maxBsonObjectSize).
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
 
 def pack_vector(vector: list[float]) -> Binary:
@@ -80,10 +89,21 @@ def expiry_of(record: ResultRecord, retention: timedelta) -> datetime:
     return (record.finished_at or record.created_at) + retention
 
 
+class Unstorable(ValueError):
+    """A result MongoDB can never store, whatever is retried: kind "unencodable" or "too_large"."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind, self.why = kind, why
+
+
 @dataclass
 class InsertOutcome:
     stored: list[str] = field(default_factory=list)  # request ids now in MongoDB (new or already there)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error
+    # Request id -> (kind, why) of documents MongoDB can never take: "unencodable" (BSON
+    # cannot encode it) or "too_large". Never sent, never stored: retrying cannot help.
+    refused: dict[str, tuple[str, str]] = field(default_factory=dict)
     # MongoDB could not be reached at all (not a refusal of some documents).
     unavailable: bool = False
 
@@ -95,10 +115,12 @@ class ResultStore:
         self.retention = timedelta(seconds=retention_s)
         self.collection: AsyncCollection = client[database][RESULTS_COLLECTION]
         self.replica_set = False
+        self.max_document_bytes = MAX_DOCUMENT_BYTES
 
     async def prepare(self) -> None:
         """Indexes, and majority writes where the server is a replica set."""
         hello = await self.client.admin.command("hello")
+        self.max_document_bytes = int(hello.get("maxBsonObjectSize") or MAX_DOCUMENT_BYTES)
         if hello.get("setName"):
             self.replica_set = True
             self.collection = self.client[self.database].get_collection(
@@ -135,28 +157,51 @@ class ResultStore:
         stored = record.model_copy(update={"stored": True, "expires_at": expiry_of(record, self.retention)})
         return record_to_document(stored)
 
+    def encoded(self, record: ResultRecord) -> RawBSONDocument:
+        """The record's document as BSON, encoded once here (insert_many sends it as it
+        is). Raises Unstorable for a document MongoDB can never take."""
+        try:
+            raw = bson.encode(self.document(record), codec_options=self.client.codec_options)
+        except Exception as exc:  # BSON cannot encode it (OverflowError, InvalidDocument, UnicodeEncodeError, ...)
+            raise Unstorable("unencodable", f"BSON cannot encode it: {type(exc).__name__}: {exc}") from None
+        if len(raw) > self.max_document_bytes:
+            raise Unstorable(
+                "too_large", f"its document is {len(raw)} bytes, over MongoDB's limit of {self.max_document_bytes}"
+            )
+        return RawBSONDocument(raw)
+
     async def insert(self, records: list[ResultRecord]) -> InsertOutcome:
         """Insert each record once. A write that MongoDB did not acknowledge (a
-        write-concern error included) is a failure, never counted as stored."""
+        write-concern error included) is a failure, never counted as stored; a record
+        MongoDB can never take is refused (outcome.refused) and the others stored."""
         outcome = InsertOutcome()
-        if not records:
+        sendable: list[ResultRecord] = []
+        documents: list[RawBSONDocument] = []
+        for record in records:
+            try:
+                documents.append(self.encoded(record))
+            except Unstorable as exc:
+                outcome.refused[record.request_id] = (exc.kind, exc.why)
+                continue
+            sendable.append(record)
+        if not sendable:
             return outcome
         try:
-            await self.collection.insert_many([self.document(r) for r in records], ordered=False)
+            await self.collection.insert_many(documents, ordered=False)
         except BulkWriteError as exc:
             for error in exc.details.get("writeErrors", []):
                 if error.get("code") != DUPLICATE_KEY:
-                    outcome.failed[records[error["index"]].request_id] = error.get("errmsg", "write failed")
+                    outcome.failed[sendable[error["index"]].request_id] = error.get("errmsg", "write failed")
             concern = exc.details.get("writeConcernErrors") or []
             if concern:
                 message = concern[0].get("errmsg", "write concern not satisfied")
-                for record in records:
+                for record in sendable:
                     outcome.failed.setdefault(record.request_id, f"write concern: {message}")
         except PyMongoError as exc:
             outcome.unavailable = isinstance(exc, ConnectionFailure)
-            for record in records:
+            for record in sendable:
                 outcome.failed[record.request_id] = f"{type(exc).__name__}: {exc}"
-        outcome.stored = [r.request_id for r in records if r.request_id not in outcome.failed]
+        outcome.stored = [r.request_id for r in sendable if r.request_id not in outcome.failed]
         return outcome
 
     async def set_webhook_status(self, request_id: str, status: str, attempts: list[dict[str, Any]]) -> None:

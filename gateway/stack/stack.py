@@ -1,7 +1,9 @@
 """The local stack: Redis, the MongoDB-wire server, Triton, the binder and the gateway,
 started in order, each waited on until healthy, supervised (a child that dies is
-restarted, see supervisor.py), and stopped all at once, each by its pid and owner token
-(whole process trees, Triton's shared memory included; see process.py).
+restarted, see supervisor.py), and stopped in the reverse order of what depends on what:
+the gateway first (it hands its running requests over through Redis), then the binder,
+then Redis, MongoDB and Triton; each by its pid and owner token (whole process trees,
+Triton's shared memory included; see process.py).
 
 `gateway up` runs this; the tests start their servers through it too."""
 
@@ -110,6 +112,8 @@ class LocalStack:
             "WEBHOOK_SECRETS": os.environ.get("WEBHOOK_SECRETS") or self.webhook_secret(),
             # The gateway hands its running requests over within the stop's grace period.
             "DRAIN_S": str(max(0.0, s.stop_grace_s - 2.0)),
+            # Every model directory is local (weight_env): no Hugging Face hub, unless the user says.
+            **weights.offline_env(),
             **self.service_overrides,
         }
 
@@ -170,8 +174,8 @@ class LocalStack:
         return self.data_dir / "api_key"
 
     def ensure_api_key(self) -> tuple[str, bool]:
-        """The local admin key (tenant `local`), made on first start and kept in the data
-        directory, where the CLI and the client SDK find it."""
+        """The local operator key (tenant `local`; it manages every tenant), made on first
+        start and kept in the data directory, where the CLI and the client SDK find it."""
         from gateway.server.tenants.cli import ensure_local_key
 
         return ensure_local_key(self.api_key_file, self.mongo_url, os.environ.get("MONGO_DB", "triton_gateway"))
@@ -229,7 +233,8 @@ class LocalStack:
             raise
 
     def stop(self) -> None:
-        """Stop every child at once (see stop_processes); safe to call again."""
+        """Stop every child, the gateways first and what they use last (see stop_processes);
+        safe to call again."""
         stop_processes(self.processes, self.settings.stop_grace_s, log=self.log)
         self.processes.clear()
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gateway.stack.devices import Device
 from gateway.stack.process import TRITON_SHM_PREFIX, LaunchError, ServiceSpec, make_private_tree, new_owner
+from gateway.stack.weights import offline_env
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class TritonInstall:
             # the first `python3` on PATH, so ours (a venv's) comes first.
             "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
             "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
+            # The models load from local directories: no Hugging Face hub (unless the user says).
+            **offline_env(),
         }
         if device == "cpu":
             # Torch on CPU: let Triton's instances share the cores instead of each taking all.

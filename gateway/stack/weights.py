@@ -38,6 +38,17 @@ DEMO_CHAT_TEMPLATE = (
 _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "merges.txt", "vocab.json"]
 
 
+# The launcher resolves every model's weights itself (resolve, below) and hands the
+# processes it starts local directories: they never need the Hugging Face hub, and
+# without these transformers and huggingface_hub would look models up there on each start.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def offline_env() -> dict[str, str]:
+    """OFFLINE_ENV for a child's environment, less what the user set (theirs is inherited)."""
+    return {name: value for name, value in OFFLINE_ENV.items() if name not in os.environ}
+
+
 @dataclass(frozen=True)
 class Weights:
     path: Path

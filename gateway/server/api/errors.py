@@ -44,6 +44,11 @@ class BodyRefused(StarletteHTTPException):
         self.status, self.code, self.message = status, code, message
 
 
+# A JSON body nested deeper than the parser's recursion limit (json.loads raises
+# RecursionError; FastAPI turns it into a 400): answered 400 bad_request by every route.
+NESTED_TOO_DEEP = "the JSON body is nested too deeply"
+
+
 def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
     body: dict[str, Any] = {"code": code, "message": message}
     if details is not None:
@@ -192,8 +197,11 @@ def install_error_handlers(app: FastAPI, errors: ErrorRenderer) -> None:
         code = (
             exc.code if isinstance(exc, BodyRefused) else _STATUS_CODES.get(exc.status_code, f"http_{exc.status_code}")
         )
+        message = str(exc.detail)
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            message = NESTED_TOO_DEEP  # FastAPI says only "There was an error parsing the body"
         headers = getattr(exc, "headers", None)
-        return errors.response(request.url.path, exc.status_code, code, str(exc.detail), None, headers)
+        return errors.response(request.url.path, exc.status_code, code, message, None, headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.protocol.http import InferRequest
-from gateway.server.api.errors import BodyRefused, ErrorRenderer
+from gateway.server.api.errors import NESTED_TOO_DEEP, ApiError, BodyRefused, ErrorRenderer
 from gateway.server.api.results import result_response
 from gateway.server.api.submit import infer_response
 from gateway.server.api.tenancy import identify
@@ -153,6 +153,9 @@ class HotRoutes:
             pass
         try:
             return None, json.loads(raw)
+        except RecursionError:
+            # Nested deeper than the interpreter's stack allows: 400, as FastAPI's routes answer it.
+            raise ApiError(400, "bad_request", NESTED_TOO_DEEP) from None
         except json.JSONDecodeError as exc:
             raise Invalid(
                 [

@@ -127,7 +127,7 @@ def _arguments(call: dict[str, Any]) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deeply)
             return arguments
     return arguments if arguments is not None else {}
 
@@ -312,7 +312,7 @@ def _read(text: str, names: Collection[str] | None) -> list[str | ToolCall]:
             break  # separators at the end
         try:
             value, end = _DECODER.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):
             items.append(text[position:])
             break
         calls = _calls_of(value, names)
@@ -443,7 +443,7 @@ def parse_forced(text: str, tools: list[dict[str, Any]] | None = None) -> ToolCa
     body = text.strip()
     try:
         value, _ = _DECODER.raw_decode(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     call = _call_of(value, None)
     if call is not None:

@@ -251,7 +251,7 @@ class BatchRunner:
         for count, (n, raw) in enumerate(numbered, 1):
             line: dict[str, Any] = {"batch": batch["_id"], "line": n, "custom_id": None, "outcome": PENDING}
             try:
-                parsed = BatchLine.model_validate(json.loads(raw))
+                parsed = BatchLine.model_validate(_json_line(raw))
                 line["custom_id"] = parsed.custom_id
                 if parsed.url != batch["endpoint"]:
                     raise ApiError(400, "invalid_url", f"url must be the batch's endpoint {batch['endpoint']}")
@@ -410,9 +410,17 @@ def _invalid_refusal(exc: Refused) -> dict[str, Any]:
     return {"code": exc.code, "message": exc.message}
 
 
+def _json_line(raw: str) -> Any:
+    """A line's JSON; one nested too deeply to parse is invalid JSON like any other."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("the line's JSON is nested too deeply") from None
+
+
 def _custom_id_of(raw: str) -> str | None:
     try:
-        found = json.loads(raw).get("custom_id")
+        found = _json_line(raw).get("custom_id")
     except (ValueError, AttributeError):
         return None
     return found if isinstance(found, str) else None
