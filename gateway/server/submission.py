@@ -112,6 +112,9 @@ class Submitter:
             replay = await self._replayed(who, idempotency_keys, hashes)
             if replay is not None:
                 return replay
+        band = band_for(bodies[0].priority, batch=batch or flex)
+        admission = self._admission(who, band)
+        self._fits(admission, band, len(bodies))
         bodies = [self._seeded(body, item) for body, item in zip(bodies, prepared, strict=True)]
         prompt_tokens = [self._prompt_tokens(model, p) for p in prepared]
         if not batch:  # batch lines are paced by the batch window and backlog instead
@@ -137,14 +140,13 @@ class Submitter:
             }
             idempotency = (idempotency_keys[index], hashes[index]) if idempotency_keys and hashes else None
             new.append(NewRequest(request_id, payload, now, now + timeout_s, idempotency))
-        band = band_for(bodies[0].priority, batch=batch or flex)
         start_as, light_only = self.dispatcher.can_start_now(model, who.tenant) if len(new) == 1 else ("", False)
         submitted = await self.jobs.submit(
             new,
             model=model,
             tenant=who.tenant,
             band=band,
-            admission=self._admission(who, band),
+            admission=admission,
             start_as=start_as,
             light_only=light_only,
         )
@@ -223,24 +225,47 @@ class Submitter:
         return Submission([request_id for request_id, _ in existing], existing=True)
 
     def _admission(self, who: Caller, band: str) -> Admission:
-        """The caps of the tenant's shard: the deployment's backlogs split evenly between
-        the shards; a tenant lives in one shard, so its own caps are exact. A tenant may
-        hold its own max_queued, else tenant_backlog_share of the backlog of its band
-        class (interactive or batch); below tenant_backlog_reserve it is admitted even when
-        the backlog is full, so no other tenant's flood or batch can lock it out."""
+        """The caps of the tenant's shard. The deployment's backlogs are split evenly between
+        the shards, but a tenant lives in one shard: so a shard admits at least what one
+        tenant may hold, whatever the shard count (the whole may then exceed MAX_BACKLOG by
+        that much per shard). A tenant always keeps to its own max_queued; its share
+        (tenant_backlog_share of its band class, interactive or batch) binds only while
+        other tenants wait, so alone it may use the whole backlog; below
+        tenant_backlog_reserve it is admitted even when the backlog is full, so no other
+        tenant's flood or batch can lock it out."""
         s = self.settings
         limits = who.config.limits
         shards = len(self.jobs.shards)
+        whole = s.max_batch_backlog if band == "batch" else s.max_backlog
+        share = max(1, math.floor(whole * s.tenant_backlog_share))
+        own = limits.max_queued or share
         backlog = math.ceil(s.max_backlog / shards)
         batch_backlog = math.ceil(s.max_batch_backlog / shards)
-        whole = s.max_batch_backlog if band == "batch" else s.max_backlog
-        share = limits.max_queued or max(1, math.floor(whole * s.tenant_backlog_share))
+        if band == "batch":
+            batch_backlog = max(batch_backlog, own)
+        else:
+            backlog = max(backlog, own)
         return Admission(
             max_backlog=backlog,
             max_batch_backlog=batch_backlog,
             max_bytes=math.ceil(s.max_backlog_bytes / shards),
-            tenant_max_queued=share,
+            tenant_max_queued=limits.max_queued or 0,
+            tenant_share=share if not limits.max_queued else 0,
             reserve=s.tenant_backlog_reserve,
             weight=who.config.weight,
             max_concurrent=limits.max_concurrent,
         )
+
+    @staticmethod
+    def _fits(admission: Admission, band: str, count: int) -> None:
+        """Refuse a call that could never be admitted, however idle the system (a 429 would
+        ask for retries that cannot succeed)."""
+        most = admission.max_batch_backlog if band == "batch" else admission.max_backlog
+        if admission.tenant_max_queued:
+            most = min(most, admission.tenant_max_queued)
+        if count > most:
+            raise InvalidRequest(
+                "too_many_requests_in_call",
+                f"this call makes {count} requests; at most {most} of yours may wait at once",
+                details={"requests": count, "max_queued": most},
+            )

@@ -61,7 +61,8 @@ class Admission:
     max_backlog: int  # interactive requests waiting in the shard
     max_batch_backlog: int  # batch-band requests waiting in the shard
     max_bytes: int  # payload bytes waiting in the shard
-    tenant_max_queued: int = 0  # this tenant's own cap in its band class (0: none)
+    tenant_max_queued: int = 0  # this tenant's own cap in its band class, always (0: none)
+    tenant_share: int = 0  # its share of the class's backlog: binds only while other tenants wait (0: none)
     reserve: int = 0  # below this many waiting, the tenant is admitted even when the backlog is full
     weight: float = 1.0
     max_concurrent: int = 0
@@ -101,6 +102,14 @@ class QueueStanding:
         ready tenant starts one, so the requests of its own tenant before it cost a round
         each (an estimate: tenants that run out of work leave the rounds sooner)."""
         return self.first + self.tenant_position * max(1, self.tenants) + self.rank
+
+
+def _standing(reply: list[Any] | None) -> QueueStanding | None:
+    """A QueueStanding from the scripts' reply (see scripts._STANDING); None: not queued."""
+    if not reply:
+        return None
+    mine, tenants, rank, first, started = (int(value) for value in reply)
+    return QueueStanding(mine, tenants, rank, first, started)
 
 
 @dataclass(frozen=True)
@@ -309,6 +318,7 @@ class JobStore:
             RUNNING_FIRST,
             "1" if light_only else "0",
             len(requests),
+            admission.tenant_share,
         ]
         for new in requests:
             idem = new.idempotency
@@ -369,15 +379,24 @@ class JobStore:
         h = await self.redis.hgetall(shard_of(request_id).request(request_id))
         return Job.from_hash(request_id, h) if h else None
 
+    async def read(self, request_id: str) -> tuple[Job | None, str | None, QueueStanding | None]:
+        """The job with what goes with its state, read at one instant (one script): if it
+        has ended, its record (JSON) while the results stream still holds it (until the
+        binders stored it); if it is queued, where it stands. A job read as queued always
+        has its standing: two reads would leave a window in which a dispatcher takes it
+        between them (queued, but no longer in any queue)."""
+        shard = shard_of(request_id)
+        fields, record, standing = await self._read(keys=[shard.request(request_id)], args=[shard.prefix, request_id])
+        if not fields:
+            return None, None, None
+        h = dict(zip(fields[::2], fields[1::2], strict=True))
+        return Job.from_hash(request_id, h), record or None, _standing(standing)
+
     async def load_with_end(self, request_id: str) -> tuple[Job | None, str | None]:
         """The job and, if it has ended, its record (JSON) while the results stream still
         holds it (until the binders stored it), in one round trip."""
-        shard = shard_of(request_id)
-        fields, record = await self._read(keys=[shard.request(request_id)], args=[shard.prefix])
-        if not fields:
-            return None, None
-        h = dict(zip(fields[::2], fields[1::2], strict=True))
-        return Job.from_hash(request_id, h), record or None
+        job, record, _ = await self.read(request_id)
+        return job, record
 
     async def final_record(self, request_id: str) -> str | None:
         """The record of an ended request while the results stream still holds it."""
@@ -387,11 +406,7 @@ class JobStore:
     async def queue_position(self, request_id: str) -> QueueStanding | None:
         """Where a queued request stands (None when it is not queued)."""
         shard = shard_of(request_id)
-        reply = await self._queue(keys=[shard.request(request_id)], args=[shard.prefix, request_id])
-        if not reply:
-            return None
-        mine, tenants, rank, first, started = (int(value) for value in reply)
-        return QueueStanding(mine, tenants, rank, first, started)
+        return _standing(await self._queue(keys=[shard.request(request_id)], args=[shard.prefix, request_id]))
 
     async def record_at(self, shard: Shard, entry: str) -> str | None:
         """The record at an entry of the shard's results stream (gone once stored and trimmed)."""

@@ -86,7 +86,7 @@ SUBMIT = (
     + """
 local model, tenant, band, now, consumer = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[14]
 local k = tonumber(ARGV[18])
-local function field(i, n) return ARGV[18 + (i - 1) * 6 + n] end
+local function field(i, n) return ARGV[19 + (i - 1) * 6 + n] end
 local h = redis.call('HMGET', KEYS[1], 'state', 'owner', 'attempts')
 if h[1] then  -- this very call, replayed after a lost reply
   if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == consumer and h[3] == '1' then return {'started'} end
@@ -107,6 +107,9 @@ local size = 0
 for i = 1, k do size = size + string.len(field(i, 2)) end
 if bytes + size > num(ARGV[9]) then return {'full', 'bytes', tostring(bytes)} end
 if num(ARGV[10]) > 0 and mine + k > num(ARGV[10]) then return {'full', 'tenant', tostring(mine)} end
+-- The share binds only while other tenants wait in the class: alone, a tenant may use the
+-- whole backlog (work-conserving); with others waiting it keeps to its share.
+if num(ARGV[19]) > 0 and mine + k > num(ARGV[19]) and total > mine then return {'full', 'tenant', tostring(mine)} end
 local cap = band == 'batch' and num(ARGV[8]) or num(ARGV[7])
 if total + k > cap and mine + k > num(ARGV[11]) then
   return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}
@@ -408,45 +411,59 @@ return {1}
 """
 )
 
-# KEYS[1]: the request hash.  ARGV: prefix, id.
 # Where a queued request stands: {its place in its tenant's queue, tenants ready in its
 # band, how many of them go before its tenant in this round, tenants ready in higher
 # bands plus requests reclaimed (they all go first), requests of its model started in the
-# shard so far}; false when it is not queued.
-QUEUE = """
-local P, id = ARGV[1], ARGV[2]
-local h = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant')
-if h[1] ~= 'queued' then return false end
-local model, band, tenant = h[2], h[3], h[4]
-local mb = model .. ':' .. band
-local ready = P .. 'ready:' .. mb
-local tenants = redis.call('ZCARD', ready)
-local first = redis.call('LLEN', P .. 'reclaimed:' .. model)
-for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
-  if higher == band then break end
-  first = first + redis.call('ZCARD', P .. 'ready:' .. model .. ':' .. higher)
+# shard so far}.
+_STANDING = """
+local function standing(P, id, model, band, tenant)
+  local mb = model .. ':' .. band
+  local ready = P .. 'ready:' .. mb
+  local tenants = redis.call('ZCARD', ready)
+  local first = redis.call('LLEN', P .. 'reclaimed:' .. model)
+  for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
+    if higher == band then break end
+    first = first + redis.call('ZCARD', P .. 'ready:' .. model .. ':' .. higher)
+  end
+  return {redis.call('LPOS', P .. 'q:' .. mb .. ':' .. tenant, id) or 0, tenants,
+    redis.call('ZRANK', ready, tenant) or tenants, first, redis.call('HGET', P .. 'started', model) or '0'}
 end
-return {redis.call('LPOS', P .. 'q:' .. mb .. ':' .. tenant, id) or 0, tenants,
-  redis.call('ZRANK', ready, tenant) or tenants, first, redis.call('HGET', P .. 'started', model) or '0'}
 """
 
-# KEYS[1]: the request hash.  ARGV: prefix.
-# The request's hash and, when it has ended and the record is still in the results
-# stream, the record: {hash, record or false}.
-READ = """
+# KEYS[1]: the request hash.  ARGV: prefix, id.
+# Where a queued request stands (see _STANDING); false when it is not queued.
+QUEUE = (
+    _STANDING
+    + """
+local h = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant')
+if h[1] ~= 'queued' then return false end
+return standing(ARGV[1], ARGV[2], h[2], h[3], h[4])
+"""
+)
+
+# KEYS[1]: the request hash.  ARGV: prefix, id.
+# The request's hash, in one atomic read with what goes with its state: {hash, the record
+# (when it has ended and the results stream still holds it) or false, where it stands
+# (when it is queued, see _STANDING) or false}. One read: a request read as queued always
+# comes with its place, even when a dispatcher takes it a moment later.
+READ = (
+    _STANDING
+    + """
 local h = redis.call('HGETALL', KEYS[1])
-local entry = redis.call('HGET', KEYS[1], 'result')
-if entry then
-  local found = redis.call('XRANGE', ARGV[1] .. 'results', entry, entry)
+local f = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant', 'result')
+if f[1] == 'queued' then return {h, false, standing(ARGV[1], ARGV[2], f[2], f[3], f[4])} end
+if f[5] then
+  local found = redis.call('XRANGE', ARGV[1] .. 'results', f[5], f[5])
   if found[1] then
     local fields = found[1][2]
     for i = 1, #fields, 2 do
-      if fields[i] == 'record' then return {h, fields[i + 1]} end
+      if fields[i] == 'record' then return {h, fields[i + 1], false} end
     end
   end
 end
-return {h, false}
+return {h, false, false}
 """
+)
 
 # KEYS[1]: the request hash.  ARGV: prefix, id, cancel channel.
 # Never re-creates a hash that has expired.

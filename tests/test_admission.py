@@ -1,0 +1,82 @@
+"""Admission as the server computes it, with several shards: a tenant's caps do not depend
+on the shard count, its share of the backlog binds only while other tenants wait, and a
+call that could never be admitted is refused as such, not with a 429 to retry for ever."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from gateway.protocol.redis_keys import shard_for_tenant
+from tests.conftest import AUTH
+from tests.gateway_calls import llm_body
+
+
+def _tenant_key(url: str, tenant: str) -> dict[str, str]:
+    created = httpx.post(f"{url}/admin/keys", headers=AUTH, json={"tenant": tenant}, timeout=30)
+    assert created.status_code == 201, created.text
+    return {"Authorization": f"Bearer {created.json()['key']}"}
+
+
+def _two_tenants_of_one_shard(shards: int) -> tuple[str, str]:
+    names = [f"adm-{time.time_ns()}-{i}" for i in range(64)]
+    first = names[0]
+    second = next(n for n in names[1:] if shard_for_tenant(n, shards) == shard_for_tenant(first, shards))
+    return first, second
+
+
+def test_an_idle_tenants_64_input_embeddings_call_is_answered_with_64_shards(stack) -> None:
+    gateway, url = stack.start_gateway("gateway-64-shards", REDIS_URL=stack.redis_db_url(20), REDIS_SHARDS="64")
+    try:
+        body = {"model": "text_embed", "input": [f"sentence {i}" for i in range(64)]}
+        response = httpx.post(f"{url}/v1/embeddings", headers=AUTH, json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["data"]) == 64
+    finally:
+        stack.stop(gateway)
+
+
+def test_a_tenant_alone_may_use_the_whole_backlog_and_keeps_to_its_share_while_others_wait(stack) -> None:
+    gateway, url = stack.start_gateway(
+        "gateway-share",
+        ready_path="/healthz",
+        REDIS_URL=stack.redis_db_url(21),
+        REDIS_SHARDS="1",  # (with several, a tenant's shard admits at least its share)
+        TRITON_GRPC_URLS="127.0.0.1:9",  # nothing runs: everything admitted waits
+        MAX_BACKLOG="8",
+        TENANT_BACKLOG_SHARE="0.25",  # two of eight
+        TENANT_BACKLOG_RESERVE="0",
+    )
+    try:
+        first, second = _two_tenants_of_one_shard(1)
+        alone, other = _tenant_key(url, first), _tenant_key(url, second)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            statuses = [
+                client.post("/infer", headers=alone, json=llm_body(f"alone {i}", 4)).status_code for i in range(6)
+            ]
+            assert statuses == [202] * 6  # beyond its share of two: nobody else waits
+            assert client.post("/infer", headers=other, json=llm_body("me too", 4)).status_code == 202
+            refused = client.post("/infer", headers=alone, json=llm_body("one more", 4))
+            assert refused.status_code == 429, refused.text
+            assert "of your requests are waiting" in refused.json()["error"]["message"]
+    finally:
+        stack.stop(gateway)
+
+
+def test_a_call_that_could_never_be_admitted_is_refused_naming_the_limit(stack) -> None:
+    gateway, url = stack.start_gateway(
+        "gateway-never-fits",
+        ready_path="/healthz",
+        REDIS_URL=stack.redis_db_url(22),
+        TRITON_GRPC_URLS="127.0.0.1:9",
+        MAX_BACKLOG="8",
+    )
+    try:
+        body = {"model": "text_embed", "input": [f"sentence {i}" for i in range(9)]}
+        response = httpx.post(f"{url}/v1/embeddings", headers=AUTH, json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "too_many_requests_in_call"
+        assert "at most 8" in response.json()["error"]["message"]
+    finally:
+        stack.stop(gateway)
