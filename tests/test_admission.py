@@ -5,6 +5,7 @@ call that could never be admitted is refused as such, not with a 429 to retry fo
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 import httpx
 
@@ -78,5 +79,31 @@ def test_a_call_that_could_never_be_admitted_is_refused_naming_the_limit(stack) 
         assert response.status_code == 400, response.text
         assert response.json()["error"]["code"] == "too_many_requests_in_call"
         assert "at most 8" in response.json()["error"]["message"]
+    finally:
+        stack.stop(gateway)
+
+
+def _when(record: dict, name: str) -> float:
+    return datetime.fromisoformat(record[name]).timestamp()
+
+
+def test_an_embedding_beside_a_flood_of_llm_requests_on_one_replica_does_not_wait_for_the_flood(stack) -> None:
+    gateway, url = stack.start_gateway("gateway-two-models", REDIS_URL=stack.redis_db_url(23), REPLICA_MAX_INFLIGHT="4")
+    try:
+        flood = _tenant_key(url, f"flood-{time.time_ns()}")
+        with httpx.Client(base_url=url, timeout=60) as client:
+            body = {"model": "llm_synthetic", "inputs": {"text_input": "go on", "max_tokens": 96}}
+            flooded = [client.post("/infer", headers=flood, json=body).json()["request_id"] for _ in range(12)]
+            embedded = client.post(
+                "/infer",
+                headers={**AUTH, "Prefer": "wait=60"},
+                json={"model": "text_embed", "inputs": {"text": "beside the flood"}},
+            ).json()
+            assert embedded["status"] == "succeeded", embedded
+            first = [client.get(f"/results/{rid}", headers=flood, params={"wait": 60}).json() for rid in flooded[:4]]
+        # The llm model's four slots were all taken (each run two seconds): the embedding
+        # started before any of them ended, on its own model's slots.
+        assert all(r["status"] == "succeeded" for r in first), first
+        assert _when(embedded, "started_at") < min(_when(r, "finished_at") for r in first)
     finally:
         stack.stop(gateway)

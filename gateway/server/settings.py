@@ -81,6 +81,8 @@ class GatewaySettings(ServiceSettings):
     tenant_backlog_reserve: int = Field(default=16, ge=0)
 
     # -- Replica pool -----------------------------------------------------------------------
+    # Requests one process keeps in flight on one replica, per model (each model of a
+    # Triton has its own instances and queue: one model's backlog never takes another's slots).
     replica_max_inflight: int = Field(default=32, ge=1)
     probe_interval_s: float = Field(default=1.0, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)

@@ -230,7 +230,7 @@ class Runner:
         finally:
             if plan is not None:
                 plan.release()
-            await self.pool.release(replica)
+            await self.pool.release(replica, adapter.triton_model)
 
     async def _call(self, replica: Replica, run: Run, job: Job, stream: bool, control: RunControl) -> None:
         """One call to Triton. Raises Failure for what Triton (or the connection to it)

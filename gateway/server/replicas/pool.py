@@ -44,8 +44,9 @@ CHANNEL_OPTIONS = [
 class Replica:
     url: str
     client: triton_aio.InferenceServerClient
-    max_inflight: int
-    inflight: int = 0
+    max_inflight: int  # per model: each model of a Triton has its own instances and queue
+    inflight: int = 0  # all models together
+    busy: dict[str, int] = field(default_factory=dict)  # in flight, per model
     healthy: bool = False
     ready_models: frozenset[str] = field(default_factory=frozenset)
     last_error: str = ""
@@ -58,8 +59,11 @@ class Replica:
     def serves(self, model: str) -> bool:
         return self.healthy and not self.removed and model in self.ready_models
 
-    def has_room(self) -> bool:
-        return self.inflight < self.max_inflight
+    def has_room(self, model: str) -> bool:
+        return self.busy.get(model, 0) < self.max_inflight
+
+    def free(self, model: str) -> int:
+        return max(0, self.max_inflight - self.busy.get(model, 0))
 
 
 class ReplicaPool:
@@ -171,7 +175,7 @@ class ReplicaPool:
         serving = [r for r in self.replicas if r.serves(model)]
         others = [r for r in serving if r.url not in exclude]
         pool = others or serving
-        return [r for r in pool if r.has_room()]
+        return [r for r in pool if r.has_room(model)]
 
     def least_outstanding(self, candidates: list[Replica]) -> Replica:
         offset = next(self._rotation) % len(candidates)
@@ -193,10 +197,12 @@ class ReplicaPool:
                     await self._changed.wait()
                 replica = (choose or self.least_outstanding)(found)
                 replica.inflight += 1
+                replica.busy[model] = replica.busy.get(model, 0) + 1
         return replica
 
-    async def release(self, replica: Replica) -> None:
+    async def release(self, replica: Replica, model: str) -> None:
         replica.inflight -= 1
+        replica.busy[model] = replica.busy.get(model, 0) - 1
         await self._notify()
 
     async def _notify(self) -> None:
@@ -205,7 +211,7 @@ class ReplicaPool:
 
     def free_slots(self, model: str) -> int:
         """Room for more requests of this model on the replicas serving it."""
-        return sum(max(0, r.max_inflight - r.inflight) for r in self.replicas if r.serves(model))
+        return sum(r.free(model) for r in self.replicas if r.serves(model))
 
     def ready(self) -> bool:
         return any(r.healthy and not r.removed for r in self.replicas)

@@ -70,7 +70,7 @@ class SearchService:
             status = 422 if failure.code == "invalid_input" else 503
             raise ApiError(status, "embedding_failed", failure.message[:500]) from None
         finally:
-            await self.pool.release(replica)
+            await self.pool.release(replica, adapter.triton_model)
         run.take(result)
         outputs, _ = run.final()
         return outputs[adapter.output_name]
