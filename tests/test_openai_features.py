@@ -279,6 +279,26 @@ def test_cached_tokens_count_a_repeated_long_prefix(client, model) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens % 32 == 0
 
 
+@pytest.mark.parametrize("model", ["llm", "llm_llmapi"])
+def test_another_tenants_cached_tokens_for_your_prompt_are_0(stack, client, model) -> None:
+    prefix = " ".join(f"secret clause {i}: do not share." for i in range(6))  # 4 blocks and more
+    messages = [{"role": "system", "content": f"{model} {time.time_ns()}: {prefix}"}, {"role": "user", "content": "Hi"}]
+    for _ in range(2):  # the first tenant's prompt is in every cache now
+        mine = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert mine.usage.prompt_tokens_details.cached_tokens >= 64
+    other = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key=_tenant(stack, "guesser"), max_retries=0)
+    raw = other.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=2)
+    theirs = raw.parse()
+    assert theirs.usage.prompt_tokens == mine.usage.prompt_tokens
+    assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+    record = httpx.get(
+        f"{stack.gateway_url}/results/{raw.headers['x-request-id']}",
+        headers={"Authorization": f"Bearer {other.api_key}"},
+        timeout=30,
+    ).json()
+    assert (record["route"] or {}).get("matched_blocks", 0) == 0
+
+
 # -- service tiers ------------------------------------------------------------------------
 
 

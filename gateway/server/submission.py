@@ -106,6 +106,7 @@ class Submitter:
         if any(body.model != model for body in bodies):
             raise ValueError("one submission is for one model")
         settings = self.settings
+        bodies = [self._salted(who, body) for body in bodies]
         prepared = [self._validate(body) for body in bodies]
         hashes = [body_hash(body) for body in bodies] if idempotency_keys else None
         if idempotency_keys and hashes:
@@ -193,6 +194,18 @@ class Submitter:
         if timeout_s > self.settings.max_timeout_s:
             raise InvalidRequest("timeout_too_long", f"timeout_s may be at most {self.settings.max_timeout_s:g}")
         return prepared
+
+    def _salted(self, who: Caller, body: InferRequest) -> InferRequest:
+        """The prefix cache is the tenant's own: its salt is the tenant, never the caller's
+        choice (another tenant's name would open that tenant's cache)."""
+        if "cache_salt" in body.parameters:
+            raise InvalidRequest(
+                "invalid_inputs", "parameters.cache_salt is set by the gateway (each tenant's cache is its own)"
+            )
+        adapter = self.registry.adapters.get(body.model)
+        if adapter is None or not adapter.salted_cache:
+            return body
+        return body.model_copy(update={"parameters": {**body.parameters, "cache_salt": who.tenant}})
 
     def _seeded(self, body: InferRequest, prepared: Any) -> InferRequest:
         """A request that samples without a seed gets a fresh random one, stored with it:

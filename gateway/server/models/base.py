@@ -100,6 +100,8 @@ class ModelAdapter:
     stop_model: str | None = None
     # A new run can continue an interrupted one from the tokens it sent (engine path).
     resumable: bool = False
+    # Its prefix cache is salted per tenant: the submission sets parameters.cache_salt.
+    salted_cache: bool = False
 
     def __init__(self, name: str, triton_model: str) -> None:
         self.name = name

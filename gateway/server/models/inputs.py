@@ -62,6 +62,9 @@ class EngineParameters(LlmParameters):
     top_logprobs: int = Field(default=0, ge=0, le=20)
     # Requests with the same key prefer the same replica (routing affinity, per model).
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
+    # The prefix cache's salt: set by the gateway to the tenant (a caller's own is refused),
+    # so that no tenant can learn from cache hits what another tenant sent.
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> EngineParameters:

@@ -54,10 +54,10 @@ from gateway.server.models.base import (
     tensor,
 )
 from gateway.server.models.inputs import MAX_TEXT_CHARS, EngineParameters, Strict, Word
-from gateway.server.routing.blocks import block_keys
+from gateway.server.routing.blocks import block_keys, salt_id
 
 if TYPE_CHECKING:
-    from gateway.server.models.registry import ModelSpec
+    from gateway.server.models.spec import ModelSpec
 
 Content = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
 
@@ -202,6 +202,12 @@ class EngineRun(Run):
             ("presence_penalty", s.presence_penalty, np.float32, "FP32"),
             ("frequency_penalty", s.frequency_penalty, np.float32, "FP32"),
             ("seed", s.seed, np.uint64, "UINT64"),
+            (
+                "cache_salt_id",
+                salt_id(s.cache_salt) if s.cache_salt and self.adapter.spec.cache_salt else None,
+                np.uint64,
+                "UINT64",
+            ),
         )
         for name, value, dtype, datatype in scalars:
             if value is not None:
@@ -338,6 +344,7 @@ class EngineLlmAdapter(ModelAdapter):
     kind = "llm"
     decoupled = True
     resumable = True
+    salted_cache = True
     # What the contract can do beyond text (the OpenAI layer refuses the rest by name).
     features: frozenset[str] = frozenset(
         {"logprobs", "top_logprobs", "guided_decoding", "tools", "penalties", "repetition_penalty", "prompt_cache_key"}
@@ -367,7 +374,13 @@ class EngineLlmAdapter(ModelAdapter):
             raise InvalidInput("invalid_inputs", f"{self.name}: {exc}") from None
 
     def usage(self, prepared: EngineRequest, completion: int, reused_blocks: int | None) -> Usage:
+        """The request's tokens. The engine's count of reused prompt blocks is kept only from
+        an engine that salts its cache per tenant (spec.cache_salt): an unsalted engine reuses
+        any tenant's blocks, and its count would tell one tenant what another sent (the
+        OpenAI layer then estimates from the gateway's salted index)."""
         prompt = len(prepared.prompt_ids)
+        if not self.spec.cache_salt:
+            reused_blocks = None
         cached = None if reused_blocks is None else min(prompt, reused_blocks * self.tokens_per_block)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
@@ -392,7 +405,7 @@ class EngineLlmAdapter(ModelAdapter):
             stop_ids=self.tokenizer.encode_words(inputs.stop_words),
             engine_stop_ids=self.tokenizer.exact_words(inputs.stop_words),
             bad_ids=self.tokenizer.encode_words(inputs.bad_words),
-            keys=block_keys(ids, self.tokens_per_block),
+            keys=block_keys(ids, self.tokens_per_block, parameters.cache_salt),
         )
 
     def stored_inputs(self, prepared: EngineRequest) -> dict[str, Any]:

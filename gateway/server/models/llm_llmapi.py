@@ -41,7 +41,7 @@ from gateway.server.models.inputs import EngineParameters
 from gateway.server.models.llm_engine import EngineInputs, EngineLlmAdapter, EngineRequest
 
 if TYPE_CHECKING:
-    from gateway.server.models.registry import ModelSpec
+    from gateway.server.models.spec import ModelSpec
 
 # What a streamed text_output holds: True, the text so far (TensorRT-LLM's llmapi model.py
 # sends CompletionOutput.text); False, only the text new since the previous response.

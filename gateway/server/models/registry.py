@@ -37,45 +37,15 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.server.models.base import InvalidInput, ModelAdapter
 from gateway.server.models.embedding import EmbeddingAdapter
+from gateway.server.models.llm_engine import EngineLlmAdapter
 from gateway.server.models.llm_ensemble import EnsembleLlmAdapter
+from gateway.server.models.llm_llmapi import LlmapiLlmAdapter
+from gateway.server.models.spec import ModelSpec
 
-
-class ModelSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    kind: Literal["embedding", "llm"]
-    triton_model: str | None = None
-    # embedding
-    input: Literal["text", "image"] = "text"
-    output: str = "embedding"
-    space: str | None = None
-    dimensions: int | None = None
-    # llm
-    mode: Literal["engine", "llmapi", "ensemble"] = "ensemble"
-    stop_model: str | None = None
-    # A Hugging Face tokenizer directory ($VARS expanded): engine and llmapi tokenize with it;
-    # embedding models use it only to count usage.
-    tokenizer: str | None = None
-    max_input_tokens: int | None = None
-    context_length: int | None = None  # default: the model's own (config.json)
-    max_output_tokens: int = 4096
-    # ensemble: it takes return_num_input_tokens / return_num_output_tokens (tensorrtllm_backend's
-    # engine has them; an older ensemble that does not pass them on says false here).
-    token_counts: bool = True
-    tokens_per_block: int = 32
-
-    @model_validator(mode="after")
-    def _engine_needs_tokenizer(self) -> ModelSpec:
-        if self.kind == "llm" and self.mode in ("engine", "llmapi") and not self.tokenizer:
-            raise ValueError(f"model {self.name}: {self.mode} mode needs a tokenizer directory")
-        return self
+__all__ = ["LOCAL_PROFILE", "ModelRegistry", "ModelSpec", "build_adapter", "load_specs"]
 
 
 LOCAL_PROFILE = [
@@ -140,12 +110,8 @@ def build_adapter(spec: ModelSpec) -> ModelAdapter:
             tokenizer_dir=os.path.expandvars(spec.tokenizer) if spec.tokenizer else None,
         )
     if spec.mode == "engine":
-        from gateway.server.models.llm_engine import EngineLlmAdapter
-
         return EngineLlmAdapter(spec, triton_model, tokenizer_dir=os.path.expandvars(spec.tokenizer or ""))
     if spec.mode == "llmapi":
-        from gateway.server.models.llm_llmapi import LlmapiLlmAdapter
-
         return LlmapiLlmAdapter(spec, triton_model, tokenizer_dir=os.path.expandvars(spec.tokenizer or ""))
     tokenizer = os.path.expandvars(spec.tokenizer) if spec.tokenizer else None
     return EnsembleLlmAdapter(
