@@ -1,6 +1,7 @@
 """Stopping and supervising the local stack: a stop request at any moment (start-up,
 healthy, under load) ends everything within 10 s, even when `gateway up` was started
-in the background by a script (SIGINT inherited as ignored); a SIGKILLed launcher leaves
+in the background by a script (SIGINT inherited as ignored), the gateway first, so it hands
+its running requests over while Redis still takes them; a SIGKILLed launcher leaves
 nothing behind for more than 10 s; process trees (like Triton's stubs, which ignore
 SIGTERM) and their shared memory are cleaned up; a dying child is restarted with
 backoff, and one that keeps dying at start makes the launcher give up."""
@@ -18,9 +19,15 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import redis
 
-from gateway.stack.process import TRITON_SHM_PREFIX, ManagedProcess, ServiceSpec, shm_regions
+from gateway.protocol.redis_keys import shard_of
+from gateway.stack.process import TRITON_SHM_PREFIX, ManagedProcess, ServiceSpec, free_port, shm_regions
+from gateway.stack.services import gateway_spec, redis_spec
+from gateway.stack.settings import StackSettings
+from gateway.stack.stack import LocalStack
 from gateway.stack.supervisor import GiveUp, RestartPolicy, Supervisor
+from tests.conftest import AUTH
 from tests.gateway_calls import llm_body
 from tests.test_launcher import UpRun, start_up, started_with_sigint_ignored
 
@@ -164,6 +171,51 @@ def test_no_child_outlives_a_sigkilled_launcher_by_more_than_10s(
         _stop(run, tree, "SIGKILL", "under load")
     finally:
         load.close()
+
+
+# A generation of several seconds (a token per 20 ms): still running when the stop comes.
+STILL_RUNNING = {
+    "model": "llm_synthetic",
+    "inputs": {"text_input": "still running at the stop", "max_tokens": 500},
+    "stream": True,
+}
+
+
+def test_a_launcher_stop_lets_the_gateway_hand_its_running_request_over_before_redis_stops(
+    stack, tmp_path: Path
+) -> None:
+    # A launcher of its own Redis and gateway (the session's MongoDB and Triton), in start
+    # order, as `gateway up` has them; its stop is the one Ctrl-C makes.
+    data = tmp_path / "data"
+    redis_port, gateway_port = free_port(), free_port()
+    launcher = LocalStack(StackSettings(data_dir=data, allow_downloads=False), log=lambda line: None)
+    env = {**stack.launcher.service_env, "REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
+    try:
+        launcher.start_service(redis_spec(data_dir=data, host="127.0.0.1", port=redis_port))
+        launcher.start_service(gateway_spec(data_dir=data, host="127.0.0.1", port=gateway_port, env=env))
+        with httpx.Client(base_url=f"http://127.0.0.1:{gateway_port}", headers=AUTH, timeout=30) as client:
+            submitted = client.post("/infer", json=STILL_RUNNING)
+            assert submitted.status_code == 202, submitted.text
+            request_id = submitted.json()["request_id"]
+            deadline = time.monotonic() + 60
+            while client.get(f"/results/{request_id}").json()["status"] != "running":
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.05)
+    finally:
+        launcher.stop()
+    # What Redis kept (its append-only file): the request waits at the front of the line
+    # for another gateway, no longer held by the one that stopped.
+    again = ManagedProcess(redis_spec(data_dir=data, host="127.0.0.1", port=redis_port))
+    again.start()
+    try:
+        again.wait_ready(time.monotonic() + 60)
+        client = redis.Redis(port=redis_port, decode_responses=True, socket_timeout=5)
+        shard = shard_of(request_id)
+        assert client.lrange(shard.reclaimed("llm_synthetic"), 0, -1) == [request_id]
+        assert client.hget(shard.request(request_id), "owner") is None
+        client.close()
+    finally:
+        again.stop()
 
 
 # -- the mechanisms, on small real processes -----------------------------------------------

@@ -1,15 +1,21 @@
 """Tenants: every call needs a valid key; another tenant's objects read as unknown (404)
-and do not change; search stays inside a tenant and still returns k hits; per-tenant
+and do not change; an admin key manages its own tenant only, an operator key every tenant;
+a tenant's settings change field by field; search stays inside a tenant and still returns k hits; per-tenant
 limits answer 429 with OpenAI's rate-limit headers; usage is recorded; a flooding tenant
 does not delay a light one, and still uses what it leaves."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -104,6 +110,129 @@ async def test_every_call_without_a_valid_key_is_401_and_health_stays_public(sta
 async def test_a_user_key_cannot_manage_keys(stack) -> None:
     async with client_for(stack, await new_key(stack, "tenant-user")) as user:
         assert (await user.get("/admin/keys")).status_code == 403
+
+
+# -- who manages which tenant: an admin its own, an operator every one ----------------------
+
+
+def _key_id(key: str) -> str:
+    return key.split("_")[1]  # tgw_<key id>_<secret>
+
+
+async def test_an_admin_cannot_create_keys_for_another_tenant(stack) -> None:
+    async with client_for(stack, await new_key(stack, "tenant-acme-1", "admin")) as acme:
+        response = await acme.post("/admin/keys", json={"tenant": "tenant-beta-1", "role": "admin"})
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "not_found"
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as operator:
+        listed = (await operator.get("/admin/keys", params={"tenant": "tenant-beta-1"})).json()["keys"]
+    assert listed == []  # nothing was made
+
+
+async def test_an_admin_reads_another_tenants_settings_and_usage_as_unknown(stack) -> None:
+    await set_tenant(stack, "tenant-beta-2", limits={"requests_per_minute": 7})
+    async with client_for(stack, await new_key(stack, "tenant-acme-2", "admin")) as acme:
+        for path in ("/admin/tenants/tenant-beta-2", "/admin/tenants/tenant-beta-2/usage"):
+            response = await acme.get(path)
+            assert response.status_code == 404, (path, response.text)
+        assert (await acme.get("/admin/tenants/tenant-acme-2")).status_code == 200  # its own
+
+
+async def test_an_admin_cannot_replace_another_tenants_webhook_secrets(stack) -> None:
+    await set_tenant(stack, "tenant-beta-3", webhook_secrets=[WEBHOOK_SECRET_A])
+    async with client_for(stack, await new_key(stack, "tenant-acme-3", "admin")) as acme:
+        response = await acme.put("/admin/tenants/tenant-beta-3", json={"webhook_secrets": [WEBHOOK_SECRET_B]})
+    assert response.status_code == 404, response.text
+    assert await _signing_secrets(stack, "tenant-beta-3") == [WEBHOOK_SECRET_A]
+
+
+async def test_an_admin_lists_and_revokes_only_its_own_tenants_keys(stack) -> None:
+    beta = await new_key(stack, "tenant-beta-4")
+    mine = await new_key(stack, "tenant-acme-4")
+    async with client_for(stack, await new_key(stack, "tenant-acme-4", "admin")) as acme:
+        listed = (await acme.get("/admin/keys")).json()["keys"]
+        other = await acme.get("/admin/keys", params={"tenant": "tenant-beta-4"})
+        revoke_beta = await acme.delete(f"/admin/keys/{_key_id(beta)}")
+        revoke_mine = await acme.delete(f"/admin/keys/{_key_id(mine)}")
+    assert {k["tenant"] for k in listed} == {"tenant-acme-4"}
+    assert other.status_code == 404 and revoke_beta.status_code == 404, (other.text, revoke_beta.text)
+    assert revoke_mine.status_code == 200, revoke_mine.text
+    async with client_for(stack, beta) as still:
+        assert (await still.get("/usage")).status_code == 200  # beta's key still works
+
+
+async def test_only_an_operator_makes_operator_keys(stack) -> None:
+    async with client_for(stack, await new_key(stack, "tenant-acme-5", "admin")) as acme:
+        response = await acme.post("/admin/keys", json={"tenant": "tenant-acme-5", "role": "operator"})
+        replicas = await acme.get("/admin/replicas")  # the deployment's, not a tenant's
+    assert response.status_code == 403 and response.json()["error"]["code"] == "operator_only", response.text
+    assert replicas.status_code == 403 and replicas.json()["error"]["code"] == "operator_only", replicas.text
+
+
+async def test_the_local_stacks_own_key_is_an_operator(stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as operator:
+        keys = (await operator.get("/admin/keys", params={"tenant": "local"})).json()["keys"]
+    (own,) = [k for k in keys if k["id"] == _key_id(stack.api_key)]
+    assert own["role"] == "operator"
+
+
+def test_the_cli_makes_an_operator_key_that_manages_every_tenant(stack) -> None:
+    gateway = str(Path(sys.executable).parent / "gateway")
+    env = {**os.environ, "MONGO_URL": stack.mongo_url}
+    made = subprocess.run(
+        [gateway, "keys", "create", "--tenant", "tenant-ops", "--operator"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    key = json.loads(made.stdout)
+    assert key["role"] == "operator"
+    headers = {"Authorization": f"Bearer {key['key']}"}
+    created = httpx.post(
+        f"{stack.gateway_url}/admin/keys", headers=headers, json={"tenant": "tenant-ops-managed"}, timeout=30
+    )
+    assert created.status_code == 201, created.text
+
+
+# -- PUT /admin/tenants/<t>: what the body leaves out is kept ------------------------------
+
+WEBHOOK_SECRET_A = "whsec_" + "QUFB" * 8  # base64 of 24 bytes
+WEBHOOK_SECRET_B = "whsec_" + "QkJC" * 8
+
+
+async def _signing_secrets(stack, tenant: str) -> list[str]:
+    """The secrets the binder signs the tenant's webhooks with (its document in MongoDB)."""
+    from pymongo import AsyncMongoClient
+
+    client: AsyncMongoClient = AsyncMongoClient(stack.mongo_url)
+    try:
+        database = os.environ.get("MONGO_DB", "triton_gateway")
+        document = await client[database]["tenants"].find_one({"_id": tenant})
+    finally:
+        await client.close()
+    return (document or {}).get("webhook_secrets") or []
+
+
+async def test_a_put_of_limits_alone_keeps_the_tenants_webhook_secrets_and_endpoint(stack) -> None:
+    endpoint = "http://127.0.0.1:9/openai-events"
+    await set_tenant(stack, "tenant-keep", webhook_secrets=[WEBHOOK_SECRET_A], openai_webhook_url=endpoint)
+    await set_tenant(stack, "tenant-keep", limits={"requests_per_minute": 5})
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as operator:
+        settings = (await operator.get("/admin/tenants/tenant-keep")).json()
+    assert settings["openai_webhook_url"] == endpoint
+    assert settings["limits"]["requests_per_minute"] == 5
+    assert await _signing_secrets(stack, "tenant-keep") == [WEBHOOK_SECRET_A]
+
+
+async def test_a_put_of_one_limit_keeps_the_other_limits_and_the_weight(stack) -> None:
+    await set_tenant(stack, "tenant-keep-limits", weight=3.0, limits={"requests_per_minute": 5, "max_concurrent": 2})
+    await set_tenant(stack, "tenant-keep-limits", limits={"max_concurrent": 4})
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as operator:
+        settings = (await operator.get("/admin/tenants/tenant-keep-limits")).json()
+    assert settings["weight"] == 3.0
+    assert settings["limits"]["requests_per_minute"] == 5 and settings["limits"]["max_concurrent"] == 4
 
 
 async def test_another_tenants_request_reads_as_unknown_and_does_not_change(stack) -> None:
@@ -305,11 +434,12 @@ async def test_a_multi_input_embeddings_call_over_the_tenants_queue_cap_is_refus
     await set_tenant(stack, "tenant-embed-cap", limits={"max_concurrent": 1, "max_queued": 3})
     async with client_for(stack, await new_key(stack, "tenant-embed-cap")) as client:
         async with slot_held(client):  # whatever is admitted now stays queued, countable
-            refused = await client.post("/v1/embeddings", json=embeddings(5))
-            assert refused.status_code == 429, refused.text
-            error = refused.json()["error"]
+            # More inputs than may ever wait: refused as such (no retry can succeed).
+            never = await client.post("/v1/embeddings", json=embeddings(5))
+            assert never.status_code == 400, never.text
+            error = never.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
-            assert (error["type"], error["code"]) == ("rate_limit_error", "backlog_full")
+            assert (error["type"], error["code"]) == ("invalid_request_error", "too_many_requests_in_call")
             assert await waiting(redis, "tenant-embed-cap") == 0  # not one of the five was queued
             # A call the cap holds is admitted whole: its three inputs wait behind the slot.
             fitting = asyncio.create_task(client.post("/v1/embeddings", json=embeddings(3)))
@@ -317,6 +447,14 @@ async def test_a_multi_input_embeddings_call_over_the_tenants_queue_cap_is_refus
             while await waiting(redis, "tenant-embed-cap") < 3:
                 assert time.monotonic() < deadline and not fitting.done(), "the three inputs were not queued"
                 await asyncio.sleep(0.05)
+            # One that would fit an empty queue but not this one waits for nothing: 429, whole.
+            refused = await client.post("/v1/embeddings", json=embeddings(2))
+            assert refused.status_code == 429, refused.text
+            assert (refused.json()["error"]["type"], refused.json()["error"]["code"]) == (
+                "rate_limit_error",
+                "backlog_full",
+            )
+            assert await waiting(redis, "tenant-embed-cap") == 3  # neither of the two was queued
         answered = await fitting  # the slot was freed: they ran
     assert answered.status_code == 200, answered.text
     assert [item["index"] for item in answered.json()["data"]] == [0, 1, 2]

@@ -64,7 +64,7 @@ def up(
         typer.echo(f"   mongodb   {stack.mongo_url}")
         if stack.api_key_created:
             typer.echo(f"   API key   {stack.api_key}")
-            typer.echo(f"             (admin of tenant 'local', saved in {stack.api_key_file} for the CLI and SDK)")
+            typer.echo(f"             (operator, tenant 'local', saved in {stack.api_key_file} for the CLI and SDK)")
         else:
             typer.echo(f"   API key   in {stack.api_key_file} (the CLI and the client SDK read it from there)")
         typer.echo("press Ctrl-C to stop")

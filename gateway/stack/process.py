@@ -42,10 +42,20 @@ TAG_ENV = "GATEWAY_STACK_TAG"
 SHM_DIR = Path("/dev/shm")
 # Triton's python backend names its regions <prefix><uuid>; this is its default prefix.
 TRITON_SHM_PREFIX = "triton_python_backend_shm_region_"
-# SIGTERM to SIGKILL: long enough for Redis to write its append-only file and for the
-# gateway to hand its running requests over, short enough that a stop takes < 10 s.
+# SIGTERM to SIGKILL, per stage of a stop: long enough for Redis to write its append-only
+# file and for the gateway to hand its running requests over, short enough that a stop
+# (three stages, Triton's shorter) takes < 10 s.
 DEFAULT_GRACE_S = 3.0
 _KILL_WAIT_S = 3.0
+
+# The stages of a stop (ServiceSpec.stop_stage), in dependency order: a stage gets SIGTERM
+# once the one before it is gone, so what a server depends on still serves it while it
+# stops. The gateways first: they hand their running requests over and write their last
+# counts through Redis and MongoDB, while Triton finishes what they drain. Then the binder
+# (it moves the last results from Redis into MongoDB). Then what they used.
+STOP_GATEWAYS = 0
+STOP_BINDER = 1
+STOP_SERVERS = 2  # Redis, MongoDB, Triton (and whatever names no stage)
 
 
 class LaunchError(RuntimeError):
@@ -78,6 +88,11 @@ class ServiceSpec:
     owner: str = field(default_factory=new_owner)
     # /dev/shm regions named <shm_prefix>* belong to this service (Triton's python backend).
     shm_prefix: str | None = None
+    # When it is stopped with others: STOP_GATEWAYS, STOP_BINDER or STOP_SERVERS.
+    stop_stage: int = STOP_SERVERS
+    # At most this long from SIGTERM to SIGKILL, when shorter than the stop's grace (a
+    # server whose graceful exit keeps nothing once what used it is gone).
+    stop_grace_s: float | None = None
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -319,25 +334,45 @@ class ManagedProcess:
 def stop_processes(
     processes: Sequence[ManagedProcess], grace: float = DEFAULT_GRACE_S, log: Callable[[str], None] | None = None
 ) -> None:
-    """Stop all at once: SIGTERM to each, up to `grace` seconds for them together (less
-    after a second Ctrl-C), then SIGKILL of every process of their trees, then their
-    shared-memory regions. Stop requests meanwhile are only recorded."""
+    """Stop them stage by stage, in dependency order (ServiceSpec.stop_stage: the gateways,
+    then the binder, then Redis, MongoDB and Triton), each stage all at once: SIGTERM to
+    each of its processes, up to `grace` seconds for them together (a spec's shorter
+    stop_grace_s for it; no wait after a second Ctrl-C), then SIGKILL of every process of
+    their trees, then their shared-memory regions; only then the next stage. Stop requests
+    meanwhile are only recorded."""
     with signals.shielded():
         trees = {p: p.descendants() for p in processes}  # before anyone is reparented
-        live = [p for p in processes if p.running]
-        for process in live:
-            assert process.popen is not None
-            try:
-                process.popen.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while any(p.running for p in live) and time.monotonic() < deadline and not signals.urgent():
-            time.sleep(0.05)
-        late = [p.spec.name for p in live if p.running]
-        if late and log is not None:
-            log(f"   {', '.join(late)}: still running {grace:.0f}s after SIGTERM; killing")
-        _finish(processes, trees)
+        for stage in sorted({p.spec.stop_stage for p in processes}):
+            group = [p for p in processes if p.spec.stop_stage == stage]
+            _stop_stage(group, trees, grace, log)
+
+
+def _stop_stage(
+    group: Sequence[ManagedProcess],
+    trees: dict[ManagedProcess, list[psutil.Process]],
+    grace: float,
+    log: Callable[[str], None] | None,
+) -> None:
+    started = time.monotonic()
+    live = [p for p in group if p.running]
+    for process in live:
+        assert process.popen is not None
+        try:
+            process.popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadlines = {
+        p: started + min(grace, p.spec.stop_grace_s if p.spec.stop_grace_s is not None else grace) for p in live
+    }
+    while any(p.running and time.monotonic() < deadlines[p] for p in live) and not signals.urgent():
+        time.sleep(0.05)
+    late = [p for p in live if p.running]
+    if late and log is not None:
+        waited = max(deadlines[p] for p in late) - started
+        log(f"   {', '.join(p.spec.name for p in late)}: still running {waited:.0f}s after SIGTERM; killing")
+    _finish(group, trees)
+    if live and log is not None:
+        log(f"   {', '.join(p.spec.name for p in live)} stopped in {time.monotonic() - started:.1f}s")
 
 
 def _finish(processes: Sequence[ManagedProcess], trees: dict[ManagedProcess, list[psutil.Process]]) -> None:

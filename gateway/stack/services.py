@@ -8,7 +8,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from gateway.stack.process import LaunchError, ServiceSpec, make_private_dir
+from gateway.stack.process import STOP_BINDER, STOP_GATEWAYS, LaunchError, ServiceSpec, make_private_dir
 
 
 def redis_server_bin() -> str:
@@ -224,6 +224,7 @@ def gateway_spec(
         env={**env, "HOST": host, "PORT": str(port)},
         ready=lambda: _http_ok(f"http://{host}:{port}{ready_path}"),
         url=f"http://{host}:{port}  (docs http://{host}:{port}/docs)",
+        stop_stage=STOP_GATEWAYS,  # first: it hands its running requests over through Redis
     )
 
 
@@ -242,4 +243,5 @@ def binder_spec(*, data_dir: Path, host: str, port: int, env: dict[str, str], na
         },
         ready=lambda: _http_ok(f"http://{host}:{port}/healthz"),
         url=f"http://{host}:{port} (internal search)",
+        stop_stage=STOP_BINDER,  # after the gateways, before Redis and MongoDB
     )

@@ -42,7 +42,8 @@ class StackSettings(BaseSettings):
     gateway_workers: int = Field(default_factory=lambda: max(1, min(4, (os.cpu_count() or 2) - 2)), ge=1)
     start_binder: bool = True
     startup_timeout_s: float = 300.0
-    # A stop: SIGTERM, this long for a graceful exit, then SIGKILL of every process tree.
+    # A stop, stage by stage (the gateways, the binder, then Redis, MongoDB and Triton):
+    # SIGTERM, this long for a graceful exit, then SIGKILL of every process tree.
     stop_grace_s: float = Field(default=3.0, ge=0, le=8)
     # A child that dies is restarted with backoff; the launcher gives up (stops everything,
     # exits 1) after this many deaths in a row, each within restart_window_s of its start.

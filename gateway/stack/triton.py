@@ -128,6 +128,10 @@ def triton_spec(
         url=f"grpc://{host}:{grpc_port}  http://{host}:{http_port}  metrics http://{host}:{metrics_port}/metrics",
         owner=owner,
         shm_prefix=shm_prefix,
+        # Stopped last, once the gateways are gone: nothing runs on it any more, and it keeps
+        # nothing on disk, so unloading its models gracefully is not worth the wait (its stubs
+        # and shared memory are cleaned up after the kill).
+        stop_grace_s=1.0,
     )
 
 

@@ -1,10 +1,14 @@
-"""Keys, tenants and usage. Admin keys manage every tenant; any key reads its own
-tenant's usage (GET /usage)."""
+"""Keys, tenants and usage. An admin key manages its own tenant (another tenant's keys,
+settings and usage read as unknown, 404); an operator key manages every tenant, makes
+operator keys and sees the replicas; any key reads its own tenant's usage (GET /usage).
+
+PUT /admin/tenants/<t> sets the fields its body names and keeps the others (a body with
+only limits leaves the webhook secrets and endpoint alone; `limits` member by member)."""
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, NoReturn
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -12,10 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.protocol import WebhookSpec
 from gateway.protocol.webhook_secrets import secrets_problem
 from gateway.server.api.errors import ApiError
-from gateway.server.api.tenancy import Caller, admin, caller
+from gateway.server.api.tenancy import Caller, admin, caller, manage, operator
 from gateway.server.routing.load import LoadTracker, ReplicaLoad
 from gateway.server.services import Services, services
-from gateway.server.tenants.config import TenantConfig, TenantLimits
+from gateway.server.tenants.config import TenantLimits
+from gateway.server.tenants.keys import Role
 
 router = APIRouter(tags=["Tenants"])
 
@@ -25,11 +30,13 @@ Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 class NewKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant: Tenant
-    role: Literal["user", "admin"] = "user"
+    role: Role = "user"
     name: str = Field(default="", max_length=128)
 
 
 class TenantSettings(BaseModel):
+    """What PUT /admin/tenants/<t> may set; what its body leaves out is kept as it is."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     weight: float = Field(default=1.0, gt=0, le=1000)
     limits: TenantLimits = Field(default_factory=TenantLimits)
@@ -56,8 +63,15 @@ class TenantSettings(BaseModel):
         return secrets
 
 
+def _operator_key(role: Role) -> NoReturn:
+    raise ApiError(403, "operator_only", f"only an operator key manages {role} keys")
+
+
 @router.post("/admin/keys", status_code=201, summary="Create an API key (shown once)")
 async def create_key(body: NewKey, request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
+    manage(who, body.tenant)
+    if body.role == "operator" and not who.operator:
+        _operator_key(body.role)
     info, key = await services(request).keys.create(body.tenant, body.role, body.name)
     return {**info.public(), "key": key}
 
@@ -66,30 +80,44 @@ async def create_key(body: NewKey, request: Request, who: Annotated[Caller, Depe
 async def list_keys(
     request: Request, who: Annotated[Caller, Depends(admin)], tenant: Annotated[str | None, Query(max_length=64)] = None
 ) -> dict[str, Any]:
-    return {"keys": [k.public() for k in await services(request).keys.list(tenant)]}
+    if tenant is not None:
+        manage(who, tenant)
+    scope = tenant if who.operator else who.tenant  # an admin lists its own tenant's keys
+    return {"keys": [k.public() for k in await services(request).keys.list(scope)]}
 
 
 @router.delete("/admin/keys/{key_id}", summary="Revoke an API key")
 async def revoke_key(key_id: str, request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
-    if not await services(request).keys.revoke(key_id):
+    keys = services(request).keys
+    if not who.operator:
+        found = await keys.get(key_id)
+        if found is None or found.tenant != who.tenant:
+            raise ApiError(404, "not_found", f"no key {key_id}")
+        if found.role == "operator":
+            _operator_key(found.role)
+    if not await keys.revoke(key_id):
         raise ApiError(404, "not_found", f"no key {key_id}")
     return {"id": key_id, "revoked": True}
 
 
 @router.get("/admin/tenants/{tenant}", summary="A tenant's weight and limits")
 async def get_tenant(tenant: str, request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
+    manage(who, tenant)
     return (await services(request).tenants.get(tenant)).public()
 
 
 @router.put(
-    "/admin/tenants/{tenant}", summary="Set a tenant's weight, limits, webhook secrets and OpenAI webhook endpoint"
+    "/admin/tenants/{tenant}",
+    summary="Set a tenant's weight, limits, webhook secrets or OpenAI webhook endpoint (the rest is kept)",
 )
 async def put_tenant(
     tenant: Tenant, body: TenantSettings, request: Request, who: Annotated[Caller, Depends(admin)]
 ) -> dict[str, Any]:
-    config = TenantConfig(tenant=tenant, **body.model_dump())
-    await services(request).tenants.put(config)
-    return config.public()
+    manage(who, tenant)
+    fields = body.model_dump(include=body.model_fields_set)
+    if "limits" in fields:
+        fields["limits"] = body.limits.model_dump(include=body.limits.model_fields_set)
+    return (await services(request).tenants.update(tenant, fields)).public()
 
 
 @router.get("/admin/tenants/{tenant}/usage", summary="A tenant's usage by day")
@@ -99,6 +127,7 @@ async def tenant_usage(
     who: Annotated[Caller, Depends(admin)],
     days: Annotated[int, Query(ge=1, le=90)] = 7,
 ) -> dict[str, Any]:
+    manage(who, tenant)
     return await services(request).usage.read(tenant, days)
 
 
@@ -122,7 +151,7 @@ def load_view(load: ReplicaLoad | None) -> dict[str, Any] | None:
 
 
 @router.get("/admin/replicas", tags=["Operations"], summary="The Triton replicas: health, requests in flight, load")
-async def replicas(request: Request, who: Annotated[Caller, Depends(admin)]) -> dict[str, Any]:
+async def replicas(request: Request, who: Annotated[Caller, Depends(operator)]) -> dict[str, Any]:
     svc = services(request)
     loads = load_tracker(svc)
     return {

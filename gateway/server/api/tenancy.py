@@ -1,7 +1,11 @@
 """Who is calling: `Authorization: Bearer <API key>` names a key, the key a tenant and a
 role. Every object of a request belongs to the caller's tenant; another tenant's objects
 read as unknown (404), so their existence does not leak. A missing, wrong or revoked key
-is 401. With AUTH_ENABLED=false every caller is the default tenant (local tools only)."""
+is 401. With AUTH_ENABLED=false every caller is the default tenant (local tools only),
+as an operator.
+
+Admin calls: an `admin` key manages its own tenant only (another tenant reads as unknown,
+404, like its other objects); an `operator` key manages every tenant and the deployment."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from gateway.server.tenants.caller import Caller
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
-__all__ = ["Caller", "admin", "bearer", "caller", "identify"]
+__all__ = ["Caller", "admin", "bearer", "caller", "identify", "manage", "operator"]
 
 if TYPE_CHECKING:
     from gateway.server.services import Services
@@ -30,7 +34,7 @@ def bearer(authorization: str | None) -> str | None:
 async def identify(svc: Services, authorization: str | None) -> Caller:
     """Who makes a call with this Authorization header (ApiError 401 when nobody)."""
     if not svc.settings.auth_enabled:
-        return Caller(role="admin", config=await svc.tenants.get(DEFAULT_TENANT))
+        return Caller(role="operator", config=await svc.tenants.get(DEFAULT_TENANT))
     token = bearer(authorization)
     if token is None:
         raise ApiError(401, "missing_api_key", "send your API key as `Authorization: Bearer <key>`", headers=_CHALLENGE)
@@ -49,7 +53,23 @@ async def caller(request: Request) -> Caller:
 
 
 async def admin(request: Request) -> Caller:
+    """An admin of its tenant, or an operator (what it may touch: `manage`)."""
     who = await caller(request)
-    if who.role != "admin":
+    if who.role not in ("admin", "operator"):
         raise ApiError(403, "admin_only", "this call needs an admin key")
     return who
+
+
+async def operator(request: Request) -> Caller:
+    """An operator: calls about the deployment, not about one tenant."""
+    who = await admin(request)
+    if not who.operator:
+        raise ApiError(403, "operator_only", "this call needs an operator key")
+    return who
+
+
+def manage(who: Caller, tenant: str) -> None:
+    """An admin manages its own tenant only: another tenant reads as unknown (404), so its
+    existence does not leak; an operator manages every tenant."""
+    if not who.operator and tenant != who.tenant:
+        raise ApiError(404, "not_found", f"no tenant {tenant}")

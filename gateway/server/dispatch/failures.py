@@ -1,6 +1,13 @@
 """Sorting Triton and gRPC errors by what to do about them, from the gRPC status code
 where there is one and from Triton's structured message where there is not (errors
-inside a gRPC stream carry only a message, e.g. "in ensemble 'llm', invalid input: ...")."""
+inside a gRPC stream carry only a message, e.g. "in ensemble 'llm', invalid input: ...").
+
+A model that is not ready on one replica (loading, reloading, failed to load there, or not
+in its repository) is not that replica being down: Triton answers it with the status
+UNAVAILABLE ("'llm' version 1 is not at ready state"), NOT_FOUND, or INVALID_ARGUMENT
+(namespaced repositories), always with its own wording, so that wording is read first.
+The request goes to another replica and this one stays in rotation for its other models
+(its health probe takes it out if the server itself is down)."""
 
 from __future__ import annotations
 
@@ -34,7 +41,15 @@ _UNAVAILABLE = re.compile(
     r"endpoint read failed|goaway",
     re.IGNORECASE,
 )
-_NOT_READY = re.compile(r"is not (ready|found)|unknown model|no model|model .* unavailable", re.IGNORECASE)
+# Triton's model lifecycle ("Request for unknown model: 'llm' version 1 is not at ready
+# state", "... has no available versions", "... is not found"), the python backend's BLS
+# ("Model 'llm' is not ready.") and other "model ... unavailable" wordings: a sentence
+# about a model, not about the connection.
+_NOT_READY = re.compile(
+    r"unknown model|is not at ready state|has no available versions|no model|"
+    r"\bmodel\b[^.;]*?\b(is not ready|is not found|unavailable)\b",
+    re.IGNORECASE,
+)
 _TIMEOUT = re.compile(r"deadline exceeded|request timeout expired|timed out", re.IGNORECASE)
 
 
@@ -50,14 +65,18 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, Failure):
         return exc
     status, message = _status_and_message(exc)
+    if _NOT_READY.search(message):
+        # The model is not ready there (being reloaded, or never was), whatever the status
+        # (Triton answers UNAVAILABLE for a version not at ready state): try elsewhere,
+        # without ejecting a replica that serves its other models.
+        return Failure("model_not_ready", message, retryable=True)
     if "INVALID_ARGUMENT" in status or "OUT_OF_RANGE" in status or _INVALID.search(message):
         return Failure("invalid_input", message, retryable=False)
     if "DEADLINE_EXCEEDED" in status or _TIMEOUT.search(message):
         return Failure("deadline_exceeded", message, retryable=False)
     if "UNAVAILABLE" in status or isinstance(exc, OSError) or _UNAVAILABLE.search(message):
         return Failure("replica_unavailable", message, retryable=True, eject=True)
-    if "NOT_FOUND" in status or _NOT_READY.search(message):
-        # The model is not loaded there (being reloaded, or never was): try elsewhere.
+    if "NOT_FOUND" in status:
         return Failure("model_not_ready", message, retryable=True)
     if "RESOURCE_EXHAUSTED" in status:
         return Failure("replica_overloaded", message, retryable=True)

@@ -16,7 +16,7 @@ from gateway.protocol import ResultRecord, State, request_id_time, utc
 from gateway.protocol.http import LiveStatus, QueuePosition, result_urls
 from gateway.protocol.redis_keys import shard_of
 from gateway.server.api.errors import ApiError
-from gateway.server.queue.jobs import Job, JobStore
+from gateway.server.queue.jobs import Job, JobStore, QueueStanding
 from gateway.server.results.notifier import CompletionNotifier
 
 Outcome = ResultRecord | LiveStatus
@@ -69,12 +69,16 @@ class ResultReader:
         self.retention_s = retention_s
         self.rate = StartRate()
 
-    async def live(self, job: Job) -> LiveStatus:
-        """A request that has not ended, with where it stands while it is queued."""
-        return live_status(job, await self.standing(job) if job.state == State.QUEUED else None)
+    def live(self, job: Job, standing: QueueStanding | None) -> LiveStatus:
+        """A request that has not ended, with where it stands while it is queued (read
+        with it, at the same instant: JobStore.read)."""
+        return live_status(job, self.position(job, standing) if job.state == State.QUEUED else None)
 
     async def standing(self, job: Job) -> QueuePosition | None:
-        found = await self.jobs.queue_position(job.request_id)
+        """Where a job read as queued stands now (None: it has moved on since)."""
+        return self.position(job, await self.jobs.queue_position(job.request_id))
+
+    def position(self, job: Job, found: QueueStanding | None) -> QueuePosition | None:
         if found is None:
             return None
         rate = self.rate.per_second(shard_of(job.request_id).index, job.model, found.started)
@@ -96,17 +100,16 @@ class ResultReader:
         return job
 
     async def get(self, request_id: str, tenant: str | None = None) -> Outcome:
-        job = await self.job(request_id, tenant)
-        if job is not None:
+        job, end, standing = await self.jobs.read(request_id)
+        if job is not None and (tenant is None or job.tenant == tenant):
             if not job.state.terminal:
-                return await self.live(job)
+                return self.live(job, standing)
             if job.stored:  # the stored record also carries the webhook outcome
                 stored = await self.store.get(request_id, tenant)
                 if stored is not None:
                     return stored
-            data = await self.jobs.final_record(request_id)
-            if data:
-                return ResultRecord.model_validate_json(data)
+            if end:
+                return ResultRecord.model_validate_json(end)
         stored = await self.store.get(request_id, tenant)
         if stored is None:
             raise self.unknown(request_id)
@@ -149,10 +152,10 @@ class ResultReader:
     async def get_json(self, request_id: str, tenant: str | None = None) -> tuple[bool, str, State]:
         """As get(), as JSON: (ended, the record's or live state's JSON, state). The record
         of a request that ended is passed on as Redis holds it, never parsed again."""
-        job, end = await self.jobs.load_with_end(request_id)
+        job, end, standing = await self.jobs.read(request_id)
         if job is not None and (tenant is None or job.tenant == tenant):
             if not job.state.terminal:
-                return False, (await self.live(job)).model_dump_json(), job.state
+                return False, self.live(job, standing).model_dump_json(), job.state
             if end is not None and not job.stored:
                 return True, end, job.state
         outcome = await self.get(request_id, tenant)

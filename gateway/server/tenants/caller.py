@@ -18,6 +18,11 @@ class Caller:
     headers: dict[str, str] = field(default_factory=dict)
 
     @property
+    def operator(self) -> bool:
+        """Manages every tenant and the deployment (else an admin manages its own tenant)."""
+        return self.role == "operator"
+
+    @property
     def scope(self) -> str:
         """The tenant whose objects this caller may see."""
         return self.tenant

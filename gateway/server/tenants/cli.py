@@ -8,9 +8,12 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from gateway.server.tenants.keys import Role
 
 app = typer.Typer(help="API keys: create, list, revoke (in MongoDB: MONGO_URL, MONGO_DB).", no_args_is_help=True)
 
@@ -52,11 +55,17 @@ def _with_keys(work: Callable[[Any], Awaitable[T]]) -> T:
 @app.command()
 def create(
     tenant: Annotated[str, typer.Option(help="The tenant the key belongs to")],
-    admin: Annotated[bool, typer.Option("--admin", help="An admin key (manages keys and tenants)")] = False,
+    admin: Annotated[
+        bool, typer.Option("--admin", help="An admin key: manages its own tenant (keys, settings, usage)")
+    ] = False,
+    operator: Annotated[
+        bool, typer.Option("--operator", help="An operator key: manages every tenant and the deployment")
+    ] = False,
     name: Annotated[str, typer.Option(help="A label for the key")] = "",
 ) -> None:
     """Create a key and print it (it is shown only this once)."""
-    info, key = _with_keys(lambda keys: keys.create(tenant, "admin" if admin else "user", name))
+    role: Role = "operator" if operator else "admin" if admin else "user"
+    info, key = _with_keys(lambda keys: keys.create(tenant, role, name))
     typer.echo(json.dumps({**info.public(), "key": key}, indent=2))
 
 
@@ -77,8 +86,9 @@ def revoke(key_id: Annotated[str, typer.Argument(help="The key's id (from `list`
 
 
 def ensure_local_key(path: Path, mongo_url: str, database: str, tenant: str = "local") -> tuple[str, bool]:
-    """The local stack's key: the one saved at `path` if MongoDB still knows it, else a new
-    admin key for `tenant`, saved there (0600). Returns (key, created)."""
+    """The local stack's key, an operator key of `tenant` (it manages every tenant): the one
+    saved at `path` if MongoDB still knows it (made an operator if it was an admin key of an
+    earlier version), else a new one, saved there (0600). Returns (key, created)."""
     from pymongo import AsyncMongoClient
 
     from gateway.server.tenants.keys import KeyStore
@@ -89,9 +99,12 @@ def ensure_local_key(path: Path, mongo_url: str, database: str, tenant: str = "l
         client: AsyncMongoClient = AsyncMongoClient(mongo_url, tz_aware=True, serverSelectionTimeoutMS=10000)
         try:
             keys = KeyStore(client, database, cache_s=0)
-            if saved and await keys.verify(saved) is not None:
+            info = await keys.verify(saved) if saved else None
+            if info is not None:
+                if info.role != "operator":
+                    await keys.set_role(info.key_id, "operator")
                 return saved, False
-            _, key = await keys.create(tenant, "admin", "local stack")
+            _, key = await keys.create(tenant, "operator", "local stack")
             return key, True
         finally:
             await client.close()

@@ -1,6 +1,9 @@
 """Each tenant's weight (its share under contention) and limits, in MongoDB's `tenants`
-collection; a tenant without a document gets the defaults from settings. Cached for a
-few seconds in every gateway."""
+collection; a tenant without a document gets the defaults from settings, and so does each
+limit its document does not set. Cached for a few seconds in every gateway.
+
+A change sets the fields it names and keeps the others (`update`): setting a tenant's
+limits leaves its webhook secrets and endpoint alone, and setting one limit the others."""
 
 from __future__ import annotations
 
@@ -74,13 +77,19 @@ class TenantStore:
         if document is None:
             config = TenantConfig(tenant=tenant, limits=self.defaults)
         else:
-            config = TenantConfig.model_validate({**document, "tenant": tenant})
+            limits = {**self.defaults.model_dump(), **(document.get("limits") or {})}
+            config = TenantConfig.model_validate({**document, "tenant": tenant, "limits": limits})
         self._cache[tenant] = (now, config)
         return config
 
-    async def put(self, config: TenantConfig) -> None:
-        document = config.model_dump(exclude={"tenant"})
-        # ($set with upsert, not replace_one: the local MongoDB-wire server ignores an
-        # upserting replace.)
-        await self.collection.update_one({"_id": config.tenant}, {"$set": document}, upsert=True)
-        self._cache.pop(config.tenant, None)
+    async def update(self, tenant: str, fields: dict[str, Any]) -> TenantConfig:
+        """Set the fields given (`limits` member by member), keep the others; returns the
+        tenant's settings as they are now (read back from MongoDB, not from the cache)."""
+        changes = {f"limits.{name}": value for name, value in (fields.get("limits") or {}).items()}
+        changes.update({name: value for name, value in fields.items() if name not in ("limits", "tenant")})
+        if changes:
+            # ($set with upsert, not replace_one: the local MongoDB-wire server ignores an
+            # upserting replace. One $set: concurrent changes of other fields are kept.)
+            await self.collection.update_one({"_id": tenant}, {"$set": changes}, upsert=True)
+        self._cache.pop(tenant, None)
+        return await self.get(tenant)

@@ -1,7 +1,9 @@
 """API keys: `tgw_<key id>_<secret>`, random, shown once, stored in MongoDB only as the
 SHA-256 of the secret (the secret is 256 random bits, so a fast hash is safe), compared
-in constant time, never logged. Each key belongs to a tenant and has a role (user or
-admin).
+in constant time, never logged. Each key belongs to a tenant and has a role: `user`
+(the API), `admin` (also manages its own tenant: its keys, settings and usage) or
+`operator` (manages every tenant and the deployment; `gateway keys create --operator`, and
+the local stack's own key).
 
 Verified keys are cached for a few seconds, so a MongoDB outage does not lock out recent
 callers. A revocation is announced on Redis pub/sub (`keys:changed`): every gateway
@@ -34,7 +36,7 @@ PREFIX = "tgw_"
 # Cached verifications: valid keys, and keys found unknown or revoked, apart.
 MAX_CACHED_KEYS = 10_000
 MAX_CACHED_MISSES = 10_000
-Role = Literal["user", "admin"]
+Role = Literal["user", "admin", "operator"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,15 @@ class KeyStore:
         else:
             _remember(self._valid, cache_key, (now, info), MAX_CACHED_KEYS)
         return info
+
+    async def get(self, key_id: str) -> KeyInfo | None:
+        """A key's info by its id (revoked or not), never its secret."""
+        document = await self.collection.find_one({"_id": key_id})
+        return _info(document) if document is not None else None
+
+    async def set_role(self, key_id: str, role: Role) -> None:
+        await self.collection.update_one({"_id": key_id}, {"$set": {"role": role}})
+        self.forget()
 
     async def list(self, tenant: str | None = None) -> list[KeyInfo]:
         query = {"tenant": tenant} if tenant else {}

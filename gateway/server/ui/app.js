@@ -645,7 +645,7 @@ function replicaRow(replica) {
 async function refreshReplicas() {
   const status = $("replicas-status");
   if (!storedKey()) {
-    status.textContent = "Needs an admin key.";
+    status.textContent = "Needs an operator key.";
     return;
   }
   try {
@@ -658,7 +658,7 @@ async function refreshReplicas() {
   } catch (err) {
     status.textContent =
       err instanceof ApiError && err.status === 403
-        ? `The replicas need an admin key (${err.code}).`
+        ? `The replicas need an operator key (${err.code}).`
         : `Could not read the replicas: ${explain(err)}`;
   }
 }
