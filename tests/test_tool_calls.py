@@ -3,9 +3,10 @@ family a template and its tokenizer belong to, how each shipped template renders
 call and its result, how each family's output is read (whole and streamed a character at a
 time), forced calls' schemas and cut-off forced calls, and the prompt's single BOS.
 
-The templates under tests/data/chat_templates are the real ones (each names its source and
-licence); each family's *.tokens.json lists the special tokens its tokenizer has, and the
-tiny tokenizers here are byte-level ones with those tokens added."""
+The templates under tests/data/chat_templates are written for these tests, each in its
+family's style (not copies of the models' own); each family's *.tokens.json lists the
+special tokens its tokenizer has, and the tiny tokenizers here are byte-level ones with
+those tokens added."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def test_a_hermes_template_on_a_llama_tokenizer_is_hermes() -> None:
 
 
 def test_a_llama_template_without_markers_is_llama_by_its_header_tokens() -> None:
-    assert tools.tool_format(_template("llama3.1_json"), []) is LLAMA
+    assert tools.tool_format(_template("llama3.2_json"), []) is LLAMA
 
 
 # -- rendering -------------------------------------------------------------------------------
