@@ -144,9 +144,9 @@ class _DropAfter(httpx.SyncByteStream):
         buffer, sent = b"", 0
         for chunk in self.inner:
             buffer += chunk
-            while b"\r\n\r\n" in buffer:  # sse-starlette ends each event with a blank CRLF line
-                event, buffer = buffer.split(b"\r\n\r\n", 1)
-                yield event + b"\r\n\r\n"
+            while b"\n\n" in buffer:  # each event ends with a blank line (LF line ends)
+                event, buffer = buffer.split(b"\n\n", 1)
+                yield event + b"\n\n"
                 sent += 1
                 if sent == self.events:
                     raise httpx.ReadError("connection dropped by the test")

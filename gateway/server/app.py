@@ -34,7 +34,7 @@ from gateway.server.dispatch.runner import Runner
 from gateway.server.dispatch.sweeper import Sweeper
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
-from gateway.server.openai import batches, chat, embeddings, files, responses
+from gateway.server.openai import batches, chat, conversations, embeddings, files, responses
 from gateway.server.openai.batch_runner import BatchRunner
 from gateway.server.openai.batches import BatchStore
 from gateway.server.openai.errors import openai_error
@@ -312,6 +312,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
     install_error_handlers(app, errors)
     for module in (submit, results, events, search, operations, admin, chat, embeddings, responses, files, batches):
         app.include_router(module.router)
+    app.include_router(conversations.router)
     app.include_router(ui_router)  # the browser page at /ui (its API calls need a key; the page does not)
     if private_docs:
         add_private_docs(app)

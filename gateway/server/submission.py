@@ -48,6 +48,9 @@ _FULL = {
 class Submission:
     request_ids: list[str]
     existing: bool  # an idempotent replay: the ids are those of the first submission
+    # Started in this process by SUBMIT (its end cannot come before this call watches for it;
+    # a queued one can be taken and ended by another process while the call still waits).
+    started_here: bool = False
 
     @property
     def request_id(self) -> str:
@@ -182,7 +185,7 @@ class Submitter:
             self.dispatcher.adopt(job, prepared[0])  # validated once: the run does not do it again
         else:
             self.dispatcher.notice(shard, model)
-        return Submission(ids, existing=False)
+        return Submission(ids, existing=False, started_here=submitted.outcome == "started")
 
     def _validate(self, body: InferRequest) -> Any:
         try:

@@ -1,7 +1,8 @@
 """Server-Sent Events as an ASGI response, lean enough for one event per token.
 
-The frames are sse_starlette's, byte for byte (its ServerSentEvent is the event type;
-"\\r\\n" line ends; a `: ping - <time>` comment after ping_s without an event), but a
+The frames are sse_starlette's (its ServerSentEvent is the event type; a `: ping - <time>`
+comment after ping_s without an event), with LF line ends (sse_starlette's `sep="\\n"`,
+as OpenAI's and most SSE servers write them; CRLF confuses some clients), but a
 stream costs two helper tasks for its life (a disconnect watcher and a pinger) and an
 event one `send`, not a task group and a cancel scope per send. A client that goes away
 ends the stream: the events' generator is closed (its `finally` runs: a /v1 stream
@@ -19,7 +20,7 @@ from sse_starlette import ServerSentEvent
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-SEP = "\r\n"
+SEP = "\n"
 _LINES = re.compile(r"\r\n|\r|\n")
 
 

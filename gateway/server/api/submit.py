@@ -81,9 +81,10 @@ async def infer_response(
     if submission.existing:
         return await answer(svc, who, request_id, wait)
     if wait and not (accept and "text/event-stream" in accept):
-        # Just accepted: nothing to read yet. Watch for its end first (no await since it was
+        # Started here: nothing to read yet. Watch for its end first (no await since it was
         # started, so the end cannot come before the watch), read only if it does not come.
-        return await answer(svc, who, request_id, wait, fresh=True)
+        # Queued: another process may have taken and ended it meanwhile: read first.
+        return await answer(svc, who, request_id, wait, fresh=submission.started_here)
     if accept and "text/event-stream" in accept:
         return EventStream(
             sse_events(svc, request_id, "0-0"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
 
 from gateway.server.api.errors import ApiError
 from gateway.server.models.inputs import MAX_TEXT_CHARS
@@ -62,14 +62,9 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "access_programs": "access_programs is not supported",
         "background_options": "background_options is not supported",
         "context_management": "context_management is not supported",
-        "conversation": "conversation is not supported: send the whole conversation as input",
         "image": "image options are not supported: these models produce text",
-        "max_tool_calls": "max_tool_calls is not supported: built-in tools are not supported",
-        "previous_response_id": "previous_response_id is not supported; send the whole conversation as input",
         "prompt": "prompt templates are not supported",
-        "reasoning": "reasoning is not supported: these are not reasoning models",
-        "tools": "tools are not supported on /v1/responses: use /v1/chat/completions for function calling",
-        "store": "store: false is not supported: every response is stored (GET /v1/responses/{id})",
+        "reasoning": "reasoning is not supported: these models do not reason (no effort, no summaries)",
         "truncation": "truncation auto is not supported: a prompt over the context is refused (disabled)",
     },
 }
@@ -77,7 +72,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 _NEUTRAL: dict[str, dict[str, tuple[Any, ...]]] = {
     "*": {"prompt_cache_retention": ("in_memory", "in-memory")},
     "chat": {"modalities": (["text"],), "store": (False,)},
-    "responses": {"store": (True,), "truncation": ("disabled",)},
+    "responses": {"truncation": ("disabled",)},
 }
 
 
@@ -276,14 +271,99 @@ class EmbeddingRequest(Body):
 
 # -- responses ------------------------------------------------------------------------------
 
+ItemId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+# What an input item's content parts may be here: text. Others (input_image, input_file,
+# refusal, ...) are refused by their type (responses.py names them).
+RESPONSE_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponseContentPart(Body):
+    type: str = Field(default="input_text", max_length=64)
+    text: Text | None = None  # required for a text part (responses.py says so by name)
+    # An output_text part of an earlier response, given back as input: what the model
+    # said, with what came with it (kept as given, not read).
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+ContentParts = Annotated[list[ResponseContentPart], Field(max_length=256)]
+
 
 class ResponseInputMessage(Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
-    type: Literal["message"] | None = None
+    """A message item: {role, content} (OpenAI's EasyInputMessage), or a message item as
+    a response's output or input_items list has it (with its id and status)."""
 
-    def as_message(self) -> Message:
-        return Message(role=self.role, content=self.content)
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | ContentParts
+    id: ItemId | None = None
+    status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+
+class FunctionCallItem(Body):
+    """A function_call output item of an earlier response, given back as input."""
+
+    type: Literal["function_call"]
+    call_id: ItemId
+    name: FunctionName
+    arguments: Text
+    id: ItemId | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallOutputItem(Body):
+    """A function's result: what the caller's code answered to the call with call_id."""
+
+    type: Literal["function_call_output"]
+    call_id: ItemId
+    output: Text | ContentParts
+    id: ItemId | None = None
+    status: ItemStatus | None = None
+
+
+class OtherInputItem(Body):
+    """An input item of any other type (item_reference, reasoning, built-in tools' calls):
+    refused by its type (responses.py)."""
+
+    type: str = Field(max_length=64)
+
+
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+
+def _input_item_type(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None) or "message"
+    return kind if kind in INPUT_ITEM_TYPES else "other"
+
+
+ResponseInputItem = Annotated[
+    Annotated[ResponseInputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[OtherInputItem, Tag("other")],
+    Discriminator(_input_item_type),
+]
+
+
+class ResponseTool(Body):
+    """A tool offered: {type: function, name, description, parameters, strict}. Other tool
+    types (web_search, file_search, custom, ...) are refused by their type."""
+
+    type: str = Field(default="function", max_length=64)
+    name: FunctionName | None = None  # required for a function (responses.py says so by name)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseToolChoice(Body):
+    """{type: function, name}: this function, forced. Other types (allowed_tools, the
+    built-in tools, custom) are refused by their type."""
+
+    type: str = Field(max_length=64)
+    name: FunctionName | None = None
 
 
 class TextFormat(Body):
@@ -302,31 +382,43 @@ class ResponseStreamOptions(Body):
     include_obfuscation: bool = True
 
 
+class ConversationParam(Body):
+    id: str = Field(min_length=1, max_length=256)
+
+
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# Items in one call's input (a whole conversation given back each turn fits).
+MAX_INPUT_ITEMS = 2048
 
 
 class ResponseRequest(Body):
     model: str = Field(max_length=128)
-    input: Text | list[ResponseInputMessage]
+    input: Text | list[ResponseInputItem] = Field(max_length=MAX_INPUT_ITEMS)
     instructions: Text | None = None
+    previous_response_id: str | None = Field(default=None, max_length=256)
+    conversation: Annotated[str, StringConstraints(max_length=256)] | ConversationParam | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=32768)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = Field(default=None, max_length=8)
     text: TextConfig | None = None
     stream: bool | None = False
     stream_options: ResponseStreamOptions | None = None
     background: bool | None = False
+    store: bool | None = None  # (true when not given, as OpenAI)
     metadata: Metadata | None = None
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=128)
     service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     prompt_cache_options: PromptCacheOptions | None = None
-    # Without tools (refused here) no call is ever made: these ask for nothing.
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[ResponseTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1, le=128)
 
 
 # -- batches --------------------------------------------------------------------------------

@@ -165,8 +165,9 @@ class ResultReader:
         self, request_id: str, timeout: float, tenant: str | None = None, *, fresh: bool = False
     ) -> tuple[bool, str, State]:
         """As wait(), as JSON (see get_json): the record a waiter is woken with is passed on
-        as is. fresh: the request was accepted just now by this caller (it cannot have
-        ended before this call watches for its end), so nothing is read before waiting."""
+        as is. fresh: the request was started just now in this process by this caller (it
+        cannot have ended before this call watches for its end), so nothing is read before
+        waiting."""
         deadline = time.monotonic() + timeout
         while True:
             async with self.notifier.watch(request_id) as ended:

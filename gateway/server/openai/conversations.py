@@ -1,0 +1,175 @@
+"""OpenAI's Conversations API: POST /v1/conversations, GET/POST/DELETE
+/v1/conversations/{id}, POST/GET /v1/conversations/{id}/items, GET/DELETE
+/v1/conversations/{id}/items/{item_id}.
+
+A conversation is kept in MongoDB with its tenant (response_store.ConversationStore): the
+items added to it, and the responses made in it (`conversation` on POST /v1/responses),
+whose input and output items are its items too, read from the responses as they ended
+(so a response that ends on any gateway, or after a restart, is in it). A response in a
+conversation is given the conversation's items before its own input. Items are text
+messages, function calls and their outputs, as on /v1/responses (other types are refused
+by their type)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from gateway.server.api.errors import ApiError
+from gateway.server.api.tenancy import Caller, caller
+from gateway.server.openai.response_store import ConversationStore
+from gateway.server.openai.responses import INCLUDE_LOGPROBS, conversation_items, conversation_of, items_of, with_ids
+from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported, unsupported
+from gateway.server.services import services
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+# Items one call may add (as OpenAI).
+MAX_ADDED_ITEMS = 20
+
+
+class ConversationCreate(Body):
+    items: list[ResponseInputItem] | None = Field(default=None, max_length=MAX_ADDED_ITEMS)
+    metadata: Metadata | None = None
+
+
+class ConversationUpdate(Body):
+    metadata: Metadata
+
+
+class ItemsCreate(Body):
+    items: list[ResponseInputItem] = Field(min_length=1, max_length=MAX_ADDED_ITEMS)
+
+
+def _object(document: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": document["_id"],
+        "object": "conversation",
+        "created_at": int(document.get("created_at", 0)),
+        "metadata": document.get("metadata") or {},
+    }
+
+
+def _check_include(request: Request) -> None:
+    include = request.query_params.getlist("include") + request.query_params.getlist("include[]")
+    for index, item in enumerate(include):
+        if item != INCLUDE_LOGPROBS:
+            raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
+
+
+async def _add(request: Request, who: Caller, conversation: str, given: list[Any]) -> list[dict[str, Any]]:
+    """Add items (as given, ids derived where none is given); the items as kept."""
+    items = with_ids(items_of(given, param="items"), secrets.token_hex(16))
+    await ConversationStore(services(request)).append(who.scope, conversation, [{"item": item} for item in items])
+    return items
+
+
+def _page(items: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": more,
+    }
+
+
+@router.post("/conversations", summary="Create a conversation")
+async def create_conversation(
+    body: ConversationCreate, request: Request, who: Annotated[Caller, Depends(caller)]
+) -> Any:
+    items = items_of(body.items or [], param="items")  # (refused before anything is kept)
+    refuse_unsupported(body, "conversations")
+    document = await ConversationStore(services(request)).create(who.scope, dict(body.metadata or {}))
+    if items:
+        await _add(request, who, document["_id"], body.items or [])
+    return JSONResponse(_object(document))
+
+
+@router.get("/conversations/{conversation}", summary="Get a conversation")
+async def get_conversation(conversation: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
+    return JSONResponse(_object(await conversation_of(services(request), who, conversation)))
+
+
+@router.post("/conversations/{conversation}", summary="Update a conversation's metadata")
+async def update_conversation(
+    conversation: str, body: ConversationUpdate, request: Request, who: Annotated[Caller, Depends(caller)]
+) -> Any:
+    svc = services(request)
+    refuse_unsupported(body, "conversations")
+    await conversation_of(svc, who, conversation)
+    await ConversationStore(svc).update(who.scope, conversation, dict(body.metadata))
+    return JSONResponse(_object(await conversation_of(svc, who, conversation)))
+
+
+@router.delete("/conversations/{conversation}", summary="Delete a conversation (its responses stay)")
+async def delete_conversation(conversation: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
+    svc = services(request)
+    await conversation_of(svc, who, conversation)
+    await ConversationStore(svc).delete(who.scope, conversation)
+    return JSONResponse({"id": conversation, "object": "conversation.deleted", "deleted": True})
+
+
+@router.post("/conversations/{conversation}/items", summary="Add items to a conversation")
+async def create_items(
+    conversation: str, body: ItemsCreate, request: Request, who: Annotated[Caller, Depends(caller)]
+) -> Any:
+    _check_include(request)
+    items_of(body.items, param="items")
+    refuse_unsupported(body, "conversations")
+    await conversation_of(services(request), who, conversation)
+    return JSONResponse(_page(await _add(request, who, conversation, body.items), False))
+
+
+@router.get("/conversations/{conversation}/items", summary="List a conversation's items")
+async def list_items(
+    conversation: str,
+    request: Request,
+    who: Annotated[Caller, Depends(caller)],
+    after: Annotated[str | None, Query(max_length=256)] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> Any:
+    svc = services(request)
+    _check_include(request)
+    await conversation_of(svc, who, conversation)
+    items = [item for _, item in await conversation_items(svc, who, conversation)]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise ApiError(400, "invalid_request", f"no item {after} in {conversation}", details={"param": "after"})
+        items = items[ids.index(after) + 1 :]
+    return JSONResponse(_page(items[:limit], len(items) > limit))
+
+
+Found = tuple[dict[str, Any], dict[str, Any]]  # (its entry, the item)
+
+
+async def _find(request: Request, who: Caller, conversation: str, item_id: str) -> Found:
+    svc = services(request)
+    await conversation_of(svc, who, conversation)
+    for entry, item in await conversation_items(svc, who, conversation):
+        if item.get("id") == item_id:
+            return entry, item
+    raise ApiError(404, "not_found", f"no item {item_id} in {conversation}")
+
+
+@router.get("/conversations/{conversation}/items/{item}", summary="Get an item of a conversation")
+async def get_item(conversation: str, item: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
+    _check_include(request)
+    _, found = await _find(request, who, conversation, item)
+    return JSONResponse(found)
+
+
+@router.delete("/conversations/{conversation}/items/{item}", summary="Delete an item of a conversation")
+async def delete_item(conversation: str, item: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
+    svc = services(request)
+    entry, _ = await _find(request, who, conversation, item)
+    await ConversationStore(svc).remove(who.scope, entry, item)
+    return JSONResponse(_object(await conversation_of(svc, who, conversation)))
