@@ -132,3 +132,9 @@ def test_a_tool_message_without_its_call_id_is_refused(client) -> None:
 
 def test_stream_options_without_stream_are_refused(client) -> None:
     _refused(client, "stream_options", messages=QUESTION, stream_options={"include_usage": True})
+
+
+def test_sixteen_metadata_pairs_with_the_gateways_own_labels_are_accepted(client) -> None:
+    metadata = {f"key{i}": f"value {i}" for i in range(16)}
+    answer = _chat(client, metadata=metadata, user="someone", service_tier="flex", safety_identifier="s-1")
+    assert answer.choices[0].message.content is not None

@@ -13,7 +13,9 @@ from gateway.protocol.states import State
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
-Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
+# 16 of the caller's (OpenAI's limit) and room for the labels the /v1 layer adds to them
+# (api, user, safety_identifier, service_tier, background, ...).
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=24)]
 
 
 class InferRequest(BaseModel):
