@@ -197,6 +197,33 @@ def test_a_sequence_admitted_mid_generation_gets_its_tokens(backend: Any, runner
     assert max(runner.active_seen) == 2
 
 
+def test_a_longer_prompt_joins_a_running_batch_narrower_than_itself(backend: Any, runner: Runner) -> None:
+    # The running batch is padded on the left to the newcomer's width. (That padding was
+    # measured again after the batch's first layer had been replaced, so its other layers
+    # went unpadded and the step failed: "Sizes of tensors must match except in dimension 0".)
+    short, longer = PROMPTS[3], PROMPTS[2]  # 2 and 12 tokens
+    expected = [alone(backend, short, max_new=40), alone(backend, longer, max_new=12)]
+    first = runner.submit(short, max_new=40)
+    with first.progress:  # the engine waits to send its next token: the batch stays narrow
+        assert first.progress.wait_for(lambda: len(first.tokens) >= 3, WAIT_S)
+        second = runner.submit(longer, max_new=12)
+    assert second.wait() == expected[1]
+    assert first.wait() == expected[0]
+    assert max(runner.active_seen) == 2
+
+
+def test_a_sequence_failing_in_a_shared_context_step_fails_alone(backend: Any, runner: Runner) -> None:
+    # Prefilled together, one of them fails (a bad word past the vocabulary); the others are
+    # prefilled again one by one and must run on as if it had never come.
+    expected = [alone(backend, p, max_new=10) for p in PROMPTS[:3]]
+    with runner.engine._cond:  # (reentrant) all four are admitted in one step
+        handles = [runner.submit(p, max_new=10) for p in PROMPTS[:3]]
+        doomed = runner.submit(PROMPTS[3], max_new=10, bad_words=[[10**6]])
+    assert [h.wait() for h in handles] == expected
+    assert doomed.done.wait(WAIT_S)
+    assert doomed.error
+
+
 def test_cancel_ends_a_sequence_within_a_step_while_the_others_continue(backend: Any, runner: Runner) -> None:
     expected = [alone(backend, PROMPTS[0], max_new=120), alone(backend, PROMPTS[2], max_new=120)]
     handles = [runner.submit(p, max_new=120) for p in PROMPTS[:3]]

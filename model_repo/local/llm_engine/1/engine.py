@@ -10,11 +10,13 @@ A scheduler thread repeats one step:
    guided-decoding grammar is complete), and merges the newly prefilled ones into the decode
    batch for the next step.
 
-Per request, as TensorRT-LLM's engine offers them: repetition, presence and frequency
-penalties, bad words (-inf), guided decoding (a grammar masks the logits: guided.py), and
-the log-probability of each generated token and its raw logits (return_log_probs,
-return_generation_logits). Log-probabilities are those of the model's own distribution:
-log-softmax of the logits before temperature, penalties, top-k/top-p and grammar masks.
+Per request, as TensorRT-LLM's engine offers them: an embedding bias, min_tokens (no end id
+before), repetition, presence and frequency penalties, bad words (-inf), guided decoding (a
+grammar masks the logits: guided.py), the log-probability of each generated token and its
+raw logits (return_log_probs, return_generation_logits), and the raw logits of every prompt
+position (return_context_logits: such a request reuses no cached prefix, so all of them are
+computed). Log-probabilities are those of the model's own distribution: log-softmax of the
+logits before bias, temperature, penalties, top-k/top-p and grammar masks.
 
 Two compute backends share the scheduler and the cache:
 - HfBackend: a Hugging Face causal LM (torch, CPU or CUDA); the KV of cached blocks is real.
@@ -49,6 +51,11 @@ class Sampling:
     end_id: int
     top_k: int = 0
     top_p: float = 0.0
+    # TensorRT-LLM's top-p decay: after each token top_p becomes max(top_p_min, top_p *
+    # top_p_decay), back to its first value after the token top_p_reset_id.
+    top_p_decay: float = 1.0
+    top_p_min: float = 1e-6
+    top_p_reset_id: int = -1
     temperature: float = 1.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -58,7 +65,10 @@ class Sampling:
     bad_words: list[list[int]] = field(default_factory=list)
     log_probs: bool = False  # keep each generated token's log-probability
     generation_logits: bool = False  # keep each generated token's raw logits (a vocabulary row)
+    context_logits: bool = False  # keep the raw logits of every prompt position (no prefix reuse)
     guide: Any = None  # a guided.Guide: the grammar the output must follow
+    min_tokens: int = 0  # the end id is not generated before this many tokens
+    embedding_bias: Any = None  # a vocabulary row (numpy) added to the logits, or None
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +98,11 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
     step: tuple[float, Any] | None = None  # the backend's (log-probability, logits) of the latest token
+    context_logits: Any = None  # [prompt, vocabulary] raw logits, when the sampling asks for them
+    scheduled_ns: int = 0  # time.time_ns() when the scheduler admitted it
+    first_top_p: float = 0.0  # the top_p it came with (top-p decay resets to it)
+    first_token_ns: int = 0  # time.time_ns() when its first token was made, and its latest
+    last_token_ns: int = 0
 
     def hits_stop_word(self) -> bool:
         return any(len(w) <= len(self.generated) and self.generated[-len(w) :] == w for w in self.sampling.stop_words)
@@ -130,23 +145,30 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, sequence: Sequence) -> None:
+    def submit(self, *sequences: Sequence) -> None:
+        """Queue sequences (those of one request together: a stop that came first ends all)."""
         with self._cond:
-            if sequence.request_id and self._stops.pop(sequence.request_id, None) is not None:
-                sequence.stop_requested = True
-            self.waiting.append(sequence)
+            for sequence in sequences:
+                if sequence.request_id and sequence.request_id in self._stops:
+                    sequence.stop_requested = True
+            for rid in {s.request_id for s in sequences}:
+                self._stops.pop(rid, None)
+            self.waiting.extend(sequences)
             self._cond.notify()
 
     def stop_request(self, request_id: str) -> None:
-        """TensorRT-LLM's `stop` input: end the running request with this id at its next step."""
+        """TensorRT-LLM's `stop` input: end the running sequences with this request id at
+        their next step (every sequence of a batched request, or of num_return_sequences)."""
         with self._cond:
             now = time.monotonic()
             self._stops = {rid: at for rid, at in self._stops.items() if now - at < 300}
+            matched = False
             for sequence in [*self.active, *self.waiting]:
                 if sequence.request_id == request_id:
                     sequence.stop_requested = True
-                    return
-            self._stops[request_id] = now
+                    matched = True
+            if not matched:
+                self._stops[request_id] = now
 
     def close(self) -> None:
         with self._cond:
@@ -169,6 +191,7 @@ class Engine:
                 while self.waiting and len(self.active) < self.max_active and self._fits(self.waiting[0]):
                     sequence = self.waiting.popleft()
                     sequence.phase = "context"
+                    sequence.scheduled_ns = time.time_ns()
                     self.active.append(sequence)
                     admitted.append(sequence)
             self._limit_prefix_cache()
@@ -251,6 +274,12 @@ class Engine:
             return
         sequence.generated.append(token)
         sequence.unsent.append(token)
+        sequence.last_token_ns = time.time_ns()
+        sequence.first_token_ns = sequence.first_token_ns or sequence.last_token_ns
+        s = sequence.sampling
+        if s.top_p_decay != 1.0 and s.top_p > 0:
+            first = sequence.first_top_p = sequence.first_top_p or s.top_p
+            s.top_p = first if token == s.top_p_reset_id else max(s.top_p_min, s.top_p * s.top_p_decay)
         if step is not None:
             if sequence.sampling.log_probs:
                 sequence.logprobs.append(step[0])
@@ -379,6 +408,13 @@ class ContextWindow:
         return min(max_new, self.context_length - len(prompt))
 
 
+def _assign(layers: Any, tensors: list[tuple[Any, Any]]) -> None:
+    """Every layer's keys and values at once (built beforehand, so no layer changes when
+    building one fails)."""
+    for layer, (keys, values) in zip(layers, tensors, strict=True):
+        layer.keys, layer.values = keys, values
+
+
 @dataclass
 class _Rows:
     """Sequences and their KV in one padded cache: row i holds its `lengths[i]` tokens in
@@ -468,8 +504,11 @@ class HfBackend(ContextWindow):
         keys = [block_keys(s.prompt, tpb) for s in sequences]
         found = []
         for sequence, prompt_keys in zip(sequences, keys, strict=True):
-            # Keep at least one prompt token to prefill: its logits give the first token.
-            blocks = cache.match(prompt_keys[: (len(sequence.prompt) - 1) // tpb])
+            # Keep at least one prompt token to prefill: its logits give the first token. A
+            # sequence that wants its context logits reuses nothing: every prompt position
+            # is computed, so each has its logits.
+            usable = 0 if sequence.sampling.context_logits else (len(sequence.prompt) - 1) // tpb
+            blocks = cache.match(prompt_keys[:usable]) if usable else []
             sequence.reused_blocks = len(blocks)
             sequence.prefilled = len(sequence.prompt) - len(blocks) * tpb
             found.append(blocks)
@@ -495,9 +534,14 @@ class HfBackend(ContextWindow):
         )
         last = [len(x) - 1 for x in suffixes]
         keep = sorted(set(last))
+        whole = any(s.sampling.context_logits for s in sequences)
         inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
         if self._logits_to_keep:
-            inputs["logits_to_keep"] = 1 if keep == [width - 1] else torch.tensor(keep, device=self.device)
+            # 0: every position (context logits); else the last one, or each row's last.
+            if whole:
+                inputs["logits_to_keep"] = 0
+            else:
+                inputs["logits_to_keep"] = 1 if keep == [width - 1] else torch.tensor(keep, device=self.device)
         out = self._forward(past_key_values=past, **inputs)
         logits = out.logits  # [n, positions kept, vocab]
         if logits.shape[1] == width:  # every position (or a width of 1)
@@ -507,6 +551,14 @@ class HfBackend(ContextWindow):
         else:  # the positions in `keep`
             picked = [keep.index(i) for i in last]
         rows = logits[torch.arange(n, device=self.device), torch.tensor(picked, device=self.device)]
+        # The first tokens, before anything lasting changes (the prefix cache, the batch):
+        # a sequence that fails here is retried alone and must leave nothing behind.
+        for sequence in sequences:
+            sequence.state = torch.Generator(device=self.device).manual_seed(sequence.sampling.seed)
+        tokens = self._sample(rows, sequences)
+        for row, sequence in enumerate(sequences):
+            if sequence.sampling.context_logits:  # (its whole prompt is its suffix: nothing reused)
+                sequence.context_logits = logits[row, : len(sequence.prompt)].float().cpu().numpy()
         lengths = [len(s.prompt) for s in sequences]
         prefilled = self._right_align(out.past_key_values, starts, lengths)
         for row, (sequence, prompt_keys, blocks) in enumerate(zip(sequences, keys, found, strict=True)):
@@ -517,10 +569,9 @@ class HfBackend(ContextWindow):
                 layers = prefilled.cache.layers
                 fresh.append(tuple((layer.keys[cut].clone(), layer.values[cut].clone()) for layer in layers))
             cache.insert(prompt_keys[len(blocks) :], fresh)
-            sequence.state = torch.Generator(device=self.device).manual_seed(sequence.sampling.seed)
         prefilled.sequences = list(sequences)
         self.pending = prefilled if self.pending is None else self._concat(self.pending, prefilled)
-        return self._sample(rows, sequences)
+        return tokens
 
     def _past(self, found: list[list[Any]], width: int, layer: int, kind: int) -> Any:
         """One layer's keys (kind 0) or values (1) of the rows' cached blocks, [rows, heads,
@@ -601,21 +652,32 @@ class HfBackend(ContextWindow):
         if len(keep) == len(rows.sequences) and needed == width:
             return rows
         index = self.torch.tensor(keep, device=self.device)
-        for layer in rows.cache.layers:
-            layer.keys = layer.keys[:, :, width - needed :].index_select(0, index)
-            layer.values = layer.values[:, :, width - needed :].index_select(0, index)
+        layers = rows.cache.layers
+        cut = [
+            (layer.keys[:, :, width - needed :].index_select(0, index),
+             layer.values[:, :, width - needed :].index_select(0, index))
+            for layer in layers
+        ]
+        _assign(layers, cut)
         return _Rows([rows.sequences[i] for i in keep], rows.cache, [rows.lengths[i] for i in keep])
 
     def _concat(self, first: _Rows, second: _Rows) -> _Rows:
-        """Both sets of rows in one cache, the narrower padded on the left."""
+        """Both sets of rows in one cache, the narrower padded on the left.
+
+        Both paddings are measured before any layer changes: `width` reads the first layer,
+        which the loop replaces (measured inside it, every layer after the first went
+        unpadded, and a batch joined by a wider one failed with "Sizes of tensors must
+        match"). Nothing is replaced until every layer is built, so a failure leaves both
+        caches as they were."""
         functional = self.torch.nn.functional
         width = max(first.width, second.width)
-        for mine, theirs in zip(first.cache.layers, second.cache.layers, strict=True):
-            pad_mine, pad_theirs = (0, 0, width - first.width, 0), (0, 0, width - second.width, 0)
-            mine.keys = self.torch.cat([functional.pad(mine.keys, pad_mine), functional.pad(theirs.keys, pad_theirs)])
-            mine.values = self.torch.cat(
-                [functional.pad(mine.values, pad_mine), functional.pad(theirs.values, pad_theirs)]
-            )
+        pad_first, pad_second = (0, 0, width - first.width, 0), (0, 0, width - second.width, 0)
+        joined = [
+            (self.torch.cat([functional.pad(mine.keys, pad_first), functional.pad(theirs.keys, pad_second)]),
+             self.torch.cat([functional.pad(mine.values, pad_first), functional.pad(theirs.values, pad_second)]))
+            for mine, theirs in zip(first.cache.layers, second.cache.layers, strict=True)
+        ]
+        _assign(first.cache.layers, joined)
         return _Rows(first.sequences + second.sequences, first.cache, first.lengths + second.lengths)
 
     # -- sampling ---------------------------------------------------------------------
@@ -661,10 +723,18 @@ class HfBackend(ContextWindow):
     def _penalize(self, logits: Any, sequences: list[Sequence]) -> None:
         """Repetition penalty on the tokens seen so far; presence and frequency penalties on
         the tokens generated so far (OpenAI's form: minus presence once, minus frequency per
-        occurrence); bad words (-inf); per row."""
+        occurrence); bad words (-inf); per row. Before them, a row's embedding bias is added;
+        until a row has min_tokens tokens, its end id is -inf."""
         torch = self.torch
         for i, sequence in enumerate(sequences):
+            bias = sequence.sampling.embedding_bias
+            if bias is not None:
+                width = min(len(bias), int(logits.shape[-1]))
+                logits[i, :width] += torch.from_numpy(bias[:width]).to(device=logits.device, dtype=logits.dtype)
+        for i, sequence in enumerate(sequences):
             s = sequence.sampling
+            if len(sequence.generated) < s.min_tokens and 0 <= s.end_id < logits.shape[-1]:
+                logits[i, s.end_id] = float("-inf")
             if (s.presence_penalty or s.frequency_penalty) and sequence.generated:
                 ids, counts = torch.unique(torch.tensor(sequence.generated, device=logits.device), return_counts=True)
                 logits[i, ids] -= s.presence_penalty + s.frequency_penalty * counts.to(logits.dtype)

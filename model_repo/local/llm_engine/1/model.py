@@ -1,22 +1,45 @@
 """llm_engine: a CPU or CUDA stand-in for TensorRT-LLM's `tensorrt_llm` model, with exactly its
-inputs and outputs (model_repo/trtllm/trtllm_tensorrt_llm/config.pbtxt).
+inputs and outputs (model_repo/trtllm/trtllm_tensorrt_llm/config.pbtxt), so that
+tensorrtllm_backend's own clients run against it unmodified (tests/test_trtllm_clients.py).
 
-Token ids in, token ids out; decoupled (streaming sends each new token as it is made,
-as TensorRT-LLM does); in-flight batching: the running requests advance one token each
-per forward pass, new ones join between steps (engine.py); a cancelled
-request, or a `stop` request with its id, ends within one step; a block prefix KV cache
-(kv_blocks.py) reuses whole prompt blocks across requests.
+Token ids in, token ids out; in-flight batching: the running requests advance one token each
+per forward pass, new ones join between steps (engine.py); a cancelled request, or a `stop`
+request with its id, ends within one step; a block prefix KV cache (kv_blocks.py) reuses
+whole prompt blocks across requests.
+
+Decoupled or not, as the config's model_transaction_policy says (TensorRT-LLM's
+decoupled_mode): decoupled, `streaming` sends each new token as it is made, and one request
+may hold a batch of prompts or ask for num_return_sequences (each sequence's responses carry
+batch_index / sequence_index, as TensorRT-LLM's do, and the request ends with the last of
+them); not decoupled (llm_engine_nondecoupled), one response per request, which the
+ModelInfer RPC (tritonclient's infer/async_infer) takes, and streaming or a batch of prompts
+is refused with TensorRT-LLM's words.
 
 As TensorRT-LLM's engine does, on request: return_log_probs adds output_log_probs (each new
 token's log-probability, [1, 1, tokens]) and cum_log_probs (their sum so far) to every
 response; return_generation_logits adds generation_logits ([1, 1, tokens, vocabulary], the
-raw logits of each new token); return_perf_metrics adds kv_cache_reused_blocks,
-kv_cache_alloc_new_blocks and kv_cache_alloc_total_blocks to every response (this request's
-prompt blocks served from the prefix cache, computed, and in all); guided_decoding_guide_type
-and guided_decoding_guide constrain the output to a grammar (guided.py, on llguidance);
-presence_penalty and frequency_penalty apply to the tokens generated so far (the hf engine).
-The synthetic engine makes seeded random logits for those requests (engine.py); its echo
-form makes none and refuses them.
+raw logits of each new token); return_context_logits adds context_logits ([1, prompt,
+vocabulary], the raw logits of every prompt position, computed for the request: it reuses no
+cached prefix) to every response; return_perf_metrics adds the KV-cache metrics
+(kv_cache_reused_blocks: this request's prompt blocks served from the prefix cache,
+kv_cache_alloc_new_blocks: computed, kv_cache_alloc_total_blocks: in all), the timing
+metrics (arrival_time_ns, first_scheduled_time_ns: when the scheduler admitted it,
+first_token_time_ns, last_token_time_ns) and the speculative-decoding ones (no draft tokens
+here: acceptance_rate 0) to every response; return_num_input_tokens and
+return_num_output_tokens add the prompt's length and the number of ids in this response's
+output_ids; exclude_input_in_output=false (the default is the config's parameter of that
+name) puts the prompt before the generated ids of a non-streaming response (a streaming one
+holds new ids only, as TensorRT-LLM's); embedding_bias is added to the logits; min_tokens
+holds off the end id; runtime_top_p_decay / _min / _reset_ids make top-p decay;
+guided_decoding_guide_type and guided_decoding_guide constrain the output to a grammar
+(guided.py, on llguidance); presence_penalty and frequency_penalty apply to the tokens
+generated so far (the hf engine). lookahead_window_size / _ngram_size /
+_verification_set_size are taken when the model has lookahead parameters of its own (as
+TensorRT-LLM's executor needs) and the request is within them; lookahead decoding is exact
+(it returns the greedy tokens, only sooner), so the tokens are the greedy ones, made one per
+step (no draft tokens). beam_width above 1 is refused (no beam search here).
+The synthetic engine makes seeded random logits for log probabilities, generation logits and
+guides (engine.py) and refuses context logits; its echo form makes none and refuses them.
 
 It reports TensorRT-LLM's metric families (nv_trt_llm_kv_cache_block_metrics,
 nv_trt_llm_request_metrics) through the python backend's custom-metrics API, so the gateway
@@ -24,13 +47,14 @@ reads both profiles alike.
 
 Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype,
 tokens_per_block, max_active_requests, kv_cache_memory, kv_cache_max_blocks (the last
-three `auto`: sized from the device, see engine.size_limits), and for the synthetic
-engine prefill_us_per_token, decode_us, context_length."""
+three `auto`: sized from the device, see engine.size_limits), exclude_input_in_output,
+lookahead_window_size, lookahead_ngram_size, lookahead_verification_set_size, and for the
+synthetic engine prefill_us_per_token, decode_us, context_length."""
 
 import json
 import os
 import sys
-
+import threading
 import time
 
 import numpy as np
@@ -45,10 +69,7 @@ from engine import Engine, HfBackend, Limits, Sampling, Sequence, SyntheticBacke
 from kv_blocks import BlockCache  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-# Inputs of the tensorrt_llm contract this stand-in does not implement; a request that
-# sets them to something other than their neutral value is refused.
-_UNSUPPORTED = {"beam_width": 1, "num_return_sequences": 1}
+LOOKAHEAD = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
 
 
 def scalar(request, name, default):
@@ -56,21 +77,38 @@ def scalar(request, name, default):
     return default if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
 
 
-def text(request, name) -> str | None:
-    """A one-string input (TYPE_STRING), decoded."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    value = tensor.as_numpy().reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+class Rows:
+    """A request's inputs, row by row (a request may hold a batch of prompts)."""
+
+    def __init__(self, request) -> None:
+        self.request = request
+
+    def array(self, name):
+        tensor = pb_utils.get_input_tensor_by_name(self.request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def value(self, name, row, default):
+        array = self.array(name)
+        if array is None:
+            return default
+        flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(-1, 1)
+        value = flat[min(row, flat.shape[0] - 1)][0]
+        return value.item() if isinstance(value, np.generic) else value
+
+    def text(self, name, row) -> str | None:
+        """A one-string input (TYPE_STRING) of this row, decoded."""
+        value = self.value(name, row, None)
+        if value is None:
+            return None
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def word_list(tensor) -> list[list[int]]:
-    """TensorRT-LLM's [batch, 2, N] word list (first row of the batch) to token sequences."""
-    if tensor is None:
+def word_list(array, row: int) -> list[list[int]]:
+    """TensorRT-LLM's [batch, 2, N] word list (this row of the batch) to token sequences."""
+    if array is None:
         return []
-    array = tensor.as_numpy()
-    ids, offsets = array.reshape(-1, 2, array.shape[-1])[0]
+    rows = array.reshape(-1, 2, array.shape[-1])
+    ids, offsets = rows[min(row, rows.shape[0] - 1)]
     words, start = [], 0
     for end in offsets:
         if end < 0:
@@ -78,6 +116,28 @@ def word_list(tensor) -> list[list[int]]:
         words.append([int(t) for t in ids[start:end]])
         start = int(end)
     return [w for w in words if w]
+
+
+class Group:
+    """The sequences of one request: its response sender, and which of them still run (the
+    request's last response carries the final flag)."""
+
+    def __init__(self, sender, count: int) -> None:
+        self.sender = sender
+        self.pending = count
+        self.lock = threading.Lock()
+
+    def send(self, response, final: bool) -> None:
+        """A sequence's response; `final`: that sequence's last one."""
+        with self.lock:
+            if final:
+                self.pending -= 1
+            last = final and self.pending == 0
+        if response is None:
+            if last:
+                self.sender.send(flags=FINAL)
+            return
+        self.sender.send(response, flags=FINAL if last else 0)
 
 
 class TritonPythonModel:
@@ -93,6 +153,14 @@ class TritonPythonModel:
         kv_blocks = params.get("kv_cache_max_blocks", "auto")
         kv_tokens = None
         self.guides = None  # guided decoding (the hf engine only)
+        self.context_logits = kind != "synthetic"  # (the synthetic engine computes no prompt logits)
+        self.vocab_size = 0  # the model's, for checking token ids (0: unknown)
+        # TensorRT-LLM's decoupled_mode: one response per request when off (ModelInfer).
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.exclude_input = params.get("exclude_input_in_output", "false").strip().lower() in ("1", "true")
+        # The executor's lookahead configuration: a request's may not exceed it.
+        values = [params.get(name, "").strip() for name in LOOKAHEAD]
+        self.lookahead = tuple(int(v) for v in values) if all(v.isdigit() for v in values) else None
         if kind == "synthetic":
             echo = params.get("synthetic_output", "words") == "echo"
             tokenizer_file = os.path.join(model_dir, "tokenizer.json") if model_dir else ""
@@ -103,6 +171,7 @@ class TritonPythonModel:
 
                 vocab_size = Tokenizer.from_file(tokenizer_file).get_vocab_size(with_added_tokens=True)
                 self.guides = Guides(tokenizer_file, vocab_size, self._eos(model_dir))
+                self.vocab_size = vocab_size
             backend = SyntheticBackend(
                 self._word_tokens(model_dir),
                 prefill_us_per_token=float(params.get("prefill_us_per_token", "200")),
@@ -133,6 +202,7 @@ class TritonPythonModel:
             from guided import Guides
 
             vocab_size = int(backend.model.get_output_embeddings().weight.shape[0])
+            self.vocab_size = vocab_size
             self.guides = Guides(os.path.join(model_dir, "tokenizer.json"), vocab_size, max(self.default_end_id, 0))
             limits = size_limits(
                 device=device,
@@ -239,79 +309,146 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            if scalar(request, "stop", False):
-                self.engine.stop_request(request.request_id())
-                request.get_response_sender().send(flags=FINAL)
-                continue
             sender = request.get_response_sender()
+            if scalar(request, "stop", False):
+                self._stop(request, sender)
+                continue
             try:
-                self.engine.submit(self._sequence(request, sender))
+                sequences = self._sequences(request, Rows(request), sender)
             except ValueError as exc:
                 error = pb_utils.TritonError(f"invalid input: {exc}", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
+            except Exception as exc:  # (a bug here must not leave the request unanswered)
+                error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
+            self.engine.submit(*sequences)
         return None
 
-    def _sequence(self, request, sender) -> Sequence:
-        ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
-        if ids_tensor is None:
+    def _stop(self, request, sender) -> None:
+        """TensorRT-LLM's `stop` input: the sequences with this request id end at their next
+        step; the stop request itself is answered with an empty response (an error when it
+        names no request id), as tensorrtllm_backend answers it."""
+        rid = request.request_id()
+        if not rid:
+            error = pb_utils.TritonError("Trying to stop a request but request ID is not provided")
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            return
+        self.engine.stop_request(rid)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
+    def _sequences(self, request, rows: Rows, sender) -> list[Sequence]:
+        """The engine's sequences of a request: num_return_sequences of each prompt."""
+        input_ids = rows.array("input_ids")
+        if input_ids is None:
             raise ValueError("input_ids is required")
-        input_ids = ids_tensor.as_numpy()
-        if input_ids.ndim == 2 and input_ids.shape[0] != 1:
-            raise ValueError("send one prompt per request (batch size 1)")
-        row = input_ids.reshape(-1)
-        length = int(scalar(request, "input_lengths", row.shape[0]))
-        prompt = row[:length].astype(np.int64).tolist()
+        input_ids = input_ids.reshape(1, -1) if input_ids.ndim == 1 else input_ids.reshape(input_ids.shape[0], -1)
+        batch = input_ids.shape[0]
+        streaming = bool(scalar(request, "streaming", False))
+        if not self.decoupled:
+            # (tensorrtllm_backend's own checks, in its words)
+            if batch > 1:
+                raise ValueError("Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction policy")
+            if streaming:
+                raise ValueError("Streaming is only supported if model is deployed using decoupled mode.")
+        plans = []
+        for row in range(batch):
+            count = int(rows.value("num_return_sequences", row, 1))
+            if count < 1:
+                raise ValueError("num_return_sequences must be at least 1")
+            if count > 1 and not self.decoupled:
+                raise ValueError("num_return_sequences > 1 requires the decoupled transaction policy")
+            plans.extend((row, index) for index in range(count))
+        group = Group(sender, len(plans))
+        numbered = {
+            "batch": batch > 1,
+            "sequence": any(int(rows.value("num_return_sequences", row, 1)) > 1 for row in range(batch)),
+        }
+        return [
+            self._sequence(request, rows, input_ids[row], row, index, streaming, group, numbered)
+            for row, index in plans
+        ]
+
+    def _sequence(self, request, rows: Rows, ids, row: int, index: int, streaming: bool, group: Group,
+                  numbered: dict) -> Sequence:
+        length = int(rows.value("input_lengths", row, ids.shape[0]))
+        prompt = ids[:length].astype(np.int64).tolist()
         if not prompt:
             raise ValueError("input_ids is empty")
-        for name, neutral in _UNSUPPORTED.items():
-            if int(scalar(request, name, neutral)) != neutral:
-                raise ValueError(f"{name} other than {neutral} is not supported")
-        if not bool(scalar(request, "exclude_input_in_output", True)):
-            raise ValueError("exclude_input_in_output=false is not supported")
-        max_new = int(scalar(request, "request_output_len", 16))
+        self._check_ids("input_ids", prompt)
+        if int(rows.value("beam_width", row, 1)) != 1:
+            raise ValueError("beam_width other than 1 is not supported (no beam search in this stand-in)")
+        max_new = int(rows.value("request_output_len", row, 16))
         if max_new < 1:
             raise ValueError("request_output_len must be at least 1")
         self.engine.backend.check(prompt, max_new)
-        log_probs = bool(scalar(request, "return_log_probs", False))
-        generation_logits = bool(scalar(request, "return_generation_logits", False))
-        perf_metrics = bool(scalar(request, "return_perf_metrics", False))
-        num_input_tokens = bool(scalar(request, "return_num_input_tokens", False))
-        num_output_tokens = bool(scalar(request, "return_num_output_tokens", False))
+        exclude_input = bool(rows.value("exclude_input_in_output", row, self.exclude_input))
+        log_probs = bool(rows.value("return_log_probs", row, False))
+        generation_logits = bool(rows.value("return_generation_logits", row, False))
+        context_logits = bool(rows.value("return_context_logits", row, False))
+        perf_metrics = bool(rows.value("return_perf_metrics", row, False))
+        num_input_tokens = bool(rows.value("return_num_input_tokens", row, False))
+        num_output_tokens = bool(rows.value("return_num_output_tokens", row, False))
         arrival_ns = time.time_ns()
-        token_times: list[int] = []  # the first and the latest response with tokens
-        guide_type = text(request, "guided_decoding_guide_type")
+        guide_type = rows.text("guided_decoding_guide_type", row)
         guide = None
-        if self.guides is None and (log_probs or generation_logits or guide_type):
+        if self.guides is None and (log_probs or generation_logits or context_logits or guide_type):
             raise ValueError("the echo engine makes no logits: no log probabilities, logits or guided decoding")
+        if not self.context_logits:  # (the synthetic engines)
+            if context_logits:
+                raise ValueError("the synthetic engine computes no context logits")
+            bias = rows.array("embedding_bias")
+            if rows.value("min_tokens", row, 0) or (bias is not None and bias.size):
+                raise ValueError("the synthetic engine takes no min_tokens or embedding_bias (it makes no real logits)")
         if guide_type and self.guides is not None:
-            guide = self.guides.new(guide_type, text(request, "guided_decoding_guide") or "")
+            guide = self.guides.new(guide_type, rows.text("guided_decoding_guide", row) or "")
+        stop_words = word_list(rows.array("stop_words_list"), row)
+        bad_words = word_list(rows.array("bad_words_list"), row)
+        for name, words in (("stop_words_list", stop_words), ("bad_words_list", bad_words)):
+            self._check_ids(name, [t for word in words for t in word])
         sampling = Sampling(
             max_new=self.engine.backend.budget(prompt, max_new),
-            end_id=int(scalar(request, "end_id", self.default_end_id)),
-            top_k=int(scalar(request, "runtime_top_k", 0)),
-            top_p=float(scalar(request, "runtime_top_p", 0.0)),
-            temperature=float(scalar(request, "temperature", 1.0)),
-            repetition_penalty=float(scalar(request, "repetition_penalty", 1.0)),
-            presence_penalty=float(scalar(request, "presence_penalty", 0.0)),
-            frequency_penalty=float(scalar(request, "frequency_penalty", 0.0)),
-            seed=int(scalar(request, "seed", 0)),
-            stop_words=word_list(pb_utils.get_input_tensor_by_name(request, "stop_words_list")),
-            bad_words=word_list(pb_utils.get_input_tensor_by_name(request, "bad_words_list")),
+            end_id=int(rows.value("end_id", row, self.default_end_id)),
+            top_k=int(rows.value("runtime_top_k", row, 0)),
+            top_p=float(rows.value("runtime_top_p", row, 0.0)),
+            top_p_decay=float(rows.value("runtime_top_p_decay", row, 1.0)),
+            top_p_min=float(rows.value("runtime_top_p_min", row, 1e-6)),
+            top_p_reset_id=int(rows.value("runtime_top_p_reset_ids", row, -1)),
+            temperature=float(rows.value("temperature", row, 1.0)),
+            repetition_penalty=float(rows.value("repetition_penalty", row, 1.0)),
+            presence_penalty=float(rows.value("presence_penalty", row, 0.0)),
+            frequency_penalty=float(rows.value("frequency_penalty", row, 0.0)),
+            # Each of num_return_sequences samples with its own seed.
+            seed=int(rows.value("seed", row, 0)) + index,
+            min_tokens=int(rows.value("min_tokens", row, 0)),
+            embedding_bias=self._embedding_bias(rows, row),
+            stop_words=stop_words,
+            bad_words=bad_words,
             log_probs=log_probs,
             generation_logits=generation_logits,
+            context_logits=context_logits,
             guide=guide,
         )
+        self._check_lookahead(rows, row, sampling)
         tpb = self.cache.tokens_per_block
+        extra = []  # batch_index / sequence_index, as TensorRT-LLM sends them
+        if numbered["batch"]:
+            extra.append(pb_utils.Tensor("batch_index", np.array([[row]], dtype=np.int32)))
+        if numbered["sequence"]:
+            extra.append(pb_utils.Tensor("sequence_index", np.array([[index]], dtype=np.int32)))
 
         def send(tokens: list[int], final: bool) -> None:
             if final and not tokens and streaming:
-                sender.send(flags=FINAL)
+                group.send(None, True)
                 return
             first = len(sequence.generated) - len(tokens)  # (the engine sends the last ones)
-            ids = np.array(tokens, dtype=np.int32).reshape(1, 1, -1)
+            # A response that is not streamed holds the prompt first unless it is excluded.
+            ids = tokens if streaming or exclude_input else prompt + tokens
             outputs = [
-                pb_utils.Tensor("output_ids", ids),
-                pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32)),
+                pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, -1)),
+                pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32)),
+                *extra,
             ]
             end = first + len(tokens)
             if log_probs:
@@ -320,20 +457,21 @@ class TritonPythonModel:
                 total = float(sum(sequence.logprobs[:end]))
                 outputs.append(pb_utils.Tensor("cum_log_probs", np.array([[total]], dtype=np.float32)))
             if generation_logits:
-                rows = sequence.logits[first:end]
-                width = rows[0].shape[-1] if rows else self.guides.vocab_size
-                array = np.stack(rows).astype(np.float32) if rows else np.zeros((0, width), dtype=np.float32)
-                outputs.append(pb_utils.Tensor("generation_logits", array.reshape(1, 1, len(rows), width)))
-            # Token counts as TensorRT-LLM returns them: the prompt's, and this response's.
+                steps = sequence.logits[first:end]
+                width = steps[0].shape[-1] if steps else self.guides.vocab_size
+                array = np.stack(steps).astype(np.float32) if steps else np.zeros((0, width), dtype=np.float32)
+                outputs.append(pb_utils.Tensor("generation_logits", array.reshape(1, 1, len(steps), width)))
+            if context_logits and sequence.context_logits is not None:
+                logits = sequence.context_logits
+                outputs.append(pb_utils.Tensor("context_logits", logits.reshape(1, *logits.shape).astype(np.float32)))
+            # Token counts as TensorRT-LLM returns them: the prompt's, and this response's ids.
             if num_input_tokens:
                 outputs.append(pb_utils.Tensor("num_input_tokens", np.array([[len(prompt)]], dtype=np.int32)))
             if num_output_tokens:
-                outputs.append(pb_utils.Tensor("num_output_tokens", np.array([[len(tokens)]], dtype=np.int32)))
+                outputs.append(pb_utils.Tensor("num_output_tokens", np.array([[len(ids)]], dtype=np.int32)))
             if perf_metrics:
                 now = time.time_ns()
-                if tokens:
-                    token_times[:] = [token_times[0] if token_times else now, now]
-                first_token, last_token = token_times or [now, now]
+                first_token, last_token = sequence.first_token_ns or now, sequence.last_token_ns or now
                 total_blocks = -(-len(prompt) // tpb)
                 for name, value in (
                     ("kv_cache_reused_blocks", sequence.reused_blocks),
@@ -343,34 +481,72 @@ class TritonPythonModel:
                     ("total_draft_tokens", 0),
                 ):
                     outputs.append(pb_utils.Tensor(name, np.array([[value]], dtype=np.int32)))
-                # (This engine does not record when a request was first scheduled: its first
-                # step makes its first token, so that time stands for both.)
                 for name, value in (
                     ("arrival_time_ns", arrival_ns),
-                    ("first_scheduled_time_ns", first_token),
+                    ("first_scheduled_time_ns", sequence.scheduled_ns or now),
                     ("first_token_time_ns", first_token),
                     ("last_token_time_ns", last_token),
                 ):
                     outputs.append(pb_utils.Tensor(name, np.array([[value]], dtype=np.int64)))
                 outputs.append(pb_utils.Tensor("acceptance_rate", np.array([[0.0]], dtype=np.float32)))
-            sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
+            group.send(pb_utils.InferenceResponse(output_tensors=outputs), final)
 
         def fail(message: str) -> None:
             code = pb_utils.TritonError.INVALID_ARG if message.startswith("invalid input") else pb_utils.TritonError.INTERNAL
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+            group.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), True)
 
         def cancelled() -> bool:
             return bool(
-                (hasattr(sender, "is_cancelled") and sender.is_cancelled())
+                (hasattr(group.sender, "is_cancelled") and group.sender.is_cancelled())
                 or (hasattr(request, "is_cancelled") and request.is_cancelled())
             )
 
-        streaming = bool(scalar(request, "streaming", False))
         sequence = Sequence(
             request_id=request.request_id(), prompt=prompt, sampling=sampling, streaming=streaming,
             send=send, fail=fail, cancelled=cancelled,
         )
         return sequence
+
+    def _check_ids(self, name: str, ids: list[int]) -> None:
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size})")
+
+    def _embedding_bias(self, rows: Rows, row: int):
+        """This row's embedding_bias ([vocabulary] FP32), or None (absent or empty)."""
+        array = rows.array("embedding_bias")
+        if array is None or array.size == 0:
+            return None
+        array = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
+        bias = np.ascontiguousarray(array[min(row, array.shape[0] - 1)], dtype=np.float32)
+        if not bias.size:
+            return None
+        if self.guides is None:
+            raise ValueError("the echo engine makes no logits: no embedding bias")
+        if self.vocab_size and bias.size > self.vocab_size:
+            raise ValueError(f"embedding_bias has {bias.size} values; the vocabulary {self.vocab_size}")
+        return bias
+
+    def _check_lookahead(self, rows: Rows, row: int, sampling: Sampling) -> None:
+        """Lookahead decoding, as TensorRT-LLM's executor takes it: all three sizes, within
+        the model's own lookahead configuration, with greedy sampling (what it speeds up)."""
+        given = [rows.value(name, row, None) for name in LOOKAHEAD]
+        if all(value is None for value in given):
+            return
+        if any(value is None for value in given):
+            raise ValueError(f"lookahead decoding needs all of {', '.join(LOOKAHEAD)}")
+        if self.lookahead is None:
+            raise ValueError(
+                "Cannot set the request lookahead decoding configuration when model instance lookahead "
+                "parameters are not set."
+            )
+        window, ngram, verification = (int(v) for v in given)
+        if window < 1 or ngram < 1 or verification < 0:
+            raise ValueError("lookahead sizes: window and ngram at least 1, verification set at least 0")
+        limit = self.lookahead
+        if window > limit[0] or ngram > limit[1] or verification > limit[2]:
+            raise ValueError(f"the lookahead configuration [{window},{ngram},{verification}] exceeds the model's {list(limit)}")
+        if not sampling.greedy:
+            raise ValueError("lookahead decoding takes greedy sampling only (runtime_top_k 1 or 0, no runtime_top_p)")
 
     def finalize(self):
         self.engine.close()

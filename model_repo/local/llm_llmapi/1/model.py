@@ -21,20 +21,29 @@ As the real model does:
   when streaming only those of the last response, since text already sent is not taken back.
 - A cancelled request (the client closed its stream) ends at the engine's next step with the
   error "Request cancelled by client" (CANCELLED). A `stop` request with the same request id
-  ends it too (its last response says finish_reason "cancelled"; the real model sends none
-  to a request that was not streaming, this one does), and is itself answered with that
-  CANCELLED error.
+  ends it too, and is itself answered with that CANCELLED error first: a streaming request's
+  last response says finish_reason "cancelled"; one that was not streaming gets no text (the
+  real model sends it none) but that CANCELLED error, so it ends (on a model that is not
+  decoupled, the stream RPC returns responses in request order: its client sees the
+  cancellation first, as TensorRT-LLM's llmapi_client.py expects).
 - Errors are sent as a final response with text_output "N/A" and "Error generating
   request: ..."; input errors say "invalid input" (code INVALID_ARG) so they are not retried.
 
 - sampling_param_frequency_penalty and sampling_param_presence_penalty apply to the tokens
   generated so far, as on the local engine.
-- sampling_param_return_perf_metrics adds the request's KV-cache metrics to every response
+- sampling_param_return_perf_metrics adds the request's perf metrics to every response
   once its prompt is in the cache: kv_cache_reused_block (prompt blocks served from the
-  prefix cache), kv_cache_missed_block, kv_cache_alloc_new_blocks, kv_cache_alloc_total_blocks
-  and kv_cache_hit_rate. As the real model.py does, they are sent with text_output's data
-  type (strings such as "3"), whatever config.pbtxt declares. The timing and
-  speculative-decoding metrics of the real model are not sent.
+  prefix cache), kv_cache_missed_block, kv_cache_alloc_new_blocks, kv_cache_alloc_total_blocks,
+  kv_cache_hit_rate; arrival_time_ns, first_scheduled_time_ns (when the engine admitted it),
+  first_token_time_ns, last_token_time_ns; acceptance_rate, total_accepted_draft_tokens and
+  total_draft_tokens (0: no speculative decoding here). As the real model.py does, they are
+  sent with text_output's data type (strings such as "3"), whatever config.pbtxt declares.
+- Decoupled or not, as the config's model_transaction_policy says (the real model takes it
+  from model.yaml's triton_config.decoupled): llm_llmapi is decoupled, llm_llmapi_nondecoupled
+  is this model with decoupled off, for the ModelInfer RPC (tritonclient's infer/async_infer,
+  which TensorRT-LLM's llmapi_client.py uses unless it streams or stops a request). There,
+  as in the real model, streaming=true is refused ("Streaming is only supported in decoupled
+  mode.") and each request gets one response.
 
 Refused as invalid input (the local engine has no such thing): best_of > 1, image_url and
 LoRA.
@@ -50,6 +59,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -120,6 +130,7 @@ class Generation:
         }
         self.perf_metrics = bool(scalar(request, "sampling_param_return_perf_metrics", False))
         self.sequence: Sequence | None = None  # the engine's sequence (its prefix-cache hits)
+        self.arrival_ns = time.time_ns()
         self.tokens: list[int] = []  # generated ids streamed so far
         self.text = prefix  # the text so far
         self.decoder = DecodeStream(skip_special_tokens=True)
@@ -138,8 +149,9 @@ class Generation:
             self._respond(self.text, None, None, final=False)
             return
         self.model.finished(self)
-        if self.cancelled():
-            self.model.cancelled.increment(1)
+        if self.cancelled() or (self.stopped and not self.streaming):
+            if self.cancelled():
+                self.model.cancelled.increment(1)
             error = pb_utils.TritonError(CANCELLED, pb_utils.TritonError.CANCELLED)
             self._send(pb_utils.InferenceResponse(error=error))
             return
@@ -182,12 +194,21 @@ class Generation:
         if self.perf_metrics and self.sequence is not None and self.sequence.phase != "waiting":
             total = -(-len(self.prompt) // self.model.tokens_per_block)
             reused = self.sequence.reused_blocks
+            now = time.time_ns()
+            first_token, last_token = self.sequence.first_token_ns or now, self.sequence.last_token_ns or now
             metrics = {
                 "kv_cache_reused_block": reused,
                 "kv_cache_missed_block": total - reused,
                 "kv_cache_alloc_new_blocks": total - reused,
                 "kv_cache_alloc_total_blocks": total,
                 "kv_cache_hit_rate": reused / total if total else 0.0,
+                "arrival_time_ns": self.arrival_ns,
+                "first_scheduled_time_ns": self.sequence.scheduled_ns or now,
+                "first_token_time_ns": first_token,
+                "last_token_time_ns": last_token,
+                "acceptance_rate": 0.0,  # (no speculative decoding here)
+                "total_accepted_draft_tokens": 0,
+                "total_draft_tokens": 0,
             }
             outputs.extend(text_tensor(name, str(value)) for name, value in metrics.items())
         self._send(pb_utils.InferenceResponse(output_tensors=outputs), final=final)
@@ -203,6 +224,8 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", config.get("name", "llm_llmapi"))
+        # The real model's triton_config.decoupled (model.yaml), here the config's policy.
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         model_dir = os.path.expandvars(params.get("model_dir", ""))
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
@@ -303,9 +326,11 @@ class TritonPythonModel:
         with self.lock:
             for generation in self.running.get(rid, []):
                 generation.stopped = True
-        self.engine.stop_request(rid)
+        # Answered before the engine ends the stopped request, as the real model answers it
+        # before the aborted request's generator winds down.
         error = pb_utils.TritonError(CANCELLED, pb_utils.TritonError.CANCELLED)
         sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+        self.engine.stop_request(rid)
 
     def _generation(self, request) -> tuple[Generation, Sequence]:
         texts = pb_utils.get_input_tensor_by_name(request, "text_input")
@@ -335,6 +360,8 @@ class TritonPythonModel:
         words = strings(request, "sampling_param_stop")
         stops = [(word, self.tokenizer.encode(word, add_special_tokens=False).ids) for word in words]
         streaming = bool(scalar(request, "streaming", False))
+        if streaming and not self.decoupled:
+            raise InvalidInput("Streaming is only supported in decoupled mode.")
         exclude = bool(scalar(request, "sampling_param_exclude_input_from_output", False))
         prefix = "" if exclude else self.tokenizer.decode(prompt, skip_special_tokens=True)
         sampling = Sampling(

@@ -27,6 +27,8 @@ class TritonPythonModel:
             for row, length in zip(ids, lengths):
                 tokens = row[0][: int(length.reshape(-1)[0])].tolist()
                 texts.append(self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False))
-            text = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+            # One string per sequence, 1-D, as tensorrtllm_backend's postprocessing returns it
+            # (its clients read text_output[0] as the text).
+            text = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]))
         return responses

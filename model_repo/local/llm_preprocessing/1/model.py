@@ -1,4 +1,5 @@
-"""Tokenize the prompt; stop and bad words to TensorRT-LLM's word-list format."""
+"""Tokenize the prompt; stop and bad words to TensorRT-LLM's word-list format; embedding-bias
+words and weights to a vocabulary row (as tensorrtllm_backend's preprocessing does)."""
 
 import json
 import os
@@ -29,6 +30,23 @@ def stack_padded(rows: list[np.ndarray], pad: int) -> np.ndarray:
     return np.stack([np.pad(row, [(0, 0)] * (row.ndim - 1) + [(0, width - row.shape[-1])], constant_values=pad) for row in rows])
 
 
+def embedding_bias(tokenizer, words: list[list[str]], weights, batch: int) -> np.ndarray:
+    """[batch, vocabulary] FP32: each word's weight added at each of its token ids; with no
+    words, [batch, 0] (the engine takes an empty bias as none)."""
+    if not words or weights is None:
+        return np.zeros((batch, 0), dtype=np.float32)
+    rows = []
+    for row_words, row_weights in zip(words, weights.reshape(len(words), -1), strict=True):
+        if len(row_words) != len(row_weights):
+            raise ValueError("embedding_bias_words and embedding_bias_weights must have the same length")
+        bias = np.zeros(len(tokenizer), dtype=np.float32)
+        for word, weight in zip(row_words, row_weights, strict=True):
+            for token in tokenizer.encode(word, add_special_tokens=False):
+                bias[token] += weight
+        rows.append(bias)
+    return np.stack(rows)
+
+
 def strings(tensor) -> list[list[str]]:
     if tensor is None:
         return []
@@ -56,12 +74,20 @@ class TritonPythonModel:
             if any(len(e) == 0 for e in encoded):
                 raise ValueError("text_input is empty after tokenization")
             pad_id = self.tokenizer.pad_token_id or 0
+            bias_words = strings(pb_utils.get_input_tensor_by_name(request, "embedding_bias_words"))
+            bias_weights = pb_utils.get_input_tensor_by_name(request, "embedding_bias_weights")
+            if bool(bias_words) != (bias_weights is not None):
+                raise ValueError("embedding_bias_words and embedding_bias_weights come together")
+            bias = embedding_bias(
+                self.tokenizer, bias_words, None if bias_weights is None else bias_weights.as_numpy(), len(prompts)
+            )
             outputs = [
                 pb_utils.Tensor("input_ids", stack_padded(encoded, pad_id)),
                 pb_utils.Tensor("input_lengths", np.array([[len(e)] for e in encoded], dtype=np.int32)),
                 pb_utils.Tensor("request_output_len", max_tokens.astype(np.int32)),
                 pb_utils.Tensor("stop_words_list", stack_padded([to_word_list(self.tokenizer, w) for w in stop], -1)),
                 pb_utils.Tensor("bad_words_list", stack_padded([to_word_list(self.tokenizer, w) for w in bad], -1)),
+                pb_utils.Tensor("embedding_bias", bias),
             ]
             return pb_utils.InferenceResponse(output_tensors=outputs)
         except Exception as exc:  # a bad request must not take the model down

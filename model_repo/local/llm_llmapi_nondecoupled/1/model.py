@@ -1,0 +1,1 @@
+../../llm_llmapi/1/model.py
