@@ -15,7 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from gateway.server.routing.blocks import block_keys
+from gateway.server.routing.blocks import block_keys, salt_id
 from tests.gateway_calls import read_events, submit, wait_result
 
 MODEL_REPO = Path(__file__).resolve().parents[1] / "model_repo"
@@ -59,6 +59,9 @@ def test_the_gateway_and_the_engine_hash_prompt_blocks_alike() -> None:
     tokens = [random.Random(7).randrange(50_000) for _ in range(300)]
     assert block_keys(tokens, 32) == engine_side.block_keys(tokens, 32)
     assert len(block_keys(tokens, 32)) == 300 // 32
+    # Salted (per tenant): the engine is sent the salt as TensorRT-LLM's cache_salt_id.
+    assert block_keys(tokens, 32, "acme") == engine_side.block_keys(tokens, 32, salt_id("acme"))
+    assert not set(block_keys(tokens, 32, "acme")) & set(block_keys(tokens, 32, "beta"))
 
 
 async def test_streamed_text_of_any_unicode_joins_to_the_final_text(http) -> None:

@@ -50,7 +50,9 @@ __all__ = ["LOCAL_PROFILE", "ModelRegistry", "ModelSpec", "build_adapter", "load
 
 LOCAL_PROFILE = [
     # The LLM on its engine, with the gateway's own tokens (the launcher sets LLM_MODEL_DIR).
-    ModelSpec(name="llm", kind="llm", mode="engine", triton_model="llm_engine", tokenizer="$LLM_MODEL_DIR"),
+    ModelSpec(
+        name="llm", kind="llm", mode="engine", triton_model="llm_engine", tokenizer="$LLM_MODEL_DIR", cache_salt=True
+    ),
     # The same engine through the text ensemble (tokenizing inside Triton), as clients of
     # Triton's own API call it; a stop request ends a running one.
     # (Its tokenizer counts the prompt at admission, for tokens per minute.)
@@ -66,8 +68,17 @@ LOCAL_PROFILE = [
     ModelSpec(name="llm_llmapi", kind="llm", mode="llmapi", tokenizer="$LLM_MODEL_DIR"),
     # Synthetic engines (no compute): a steady token stream for measuring the relay, and
     # an echo of the prompt for checking detokenization of any text.
-    ModelSpec(name="llm_synthetic", kind="llm", mode="engine", tokenizer="$LLM_MODEL_DIR", context_length=8192),
-    ModelSpec(name="llm_echo", kind="llm", mode="engine", tokenizer="$LLM_MODEL_DIR", context_length=8192),
+    ModelSpec(
+        name="llm_synthetic",
+        kind="llm",
+        mode="engine",
+        tokenizer="$LLM_MODEL_DIR",
+        context_length=8192,
+        cache_salt=True,
+    ),
+    ModelSpec(
+        name="llm_echo", kind="llm", mode="engine", tokenizer="$LLM_MODEL_DIR", context_length=8192, cache_salt=True
+    ),
     ModelSpec(name="clip_image", kind="embedding", input="image", output="image_embeds", space="clip"),
     # (Their tokenizers only count usage; the launcher says where they are.)
     ModelSpec(

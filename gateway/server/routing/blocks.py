@@ -16,8 +16,9 @@ _ROOT = b"\x00" * 16
 
 
 def salt_root(salt: str | None) -> bytes:
-    """Where a salted chain starts (the unsalted one: all zeros)."""
-    return hashlib.blake2b(salt.encode("utf-8"), digest_size=16).digest() if salt else _ROOT
+    """Where a salted chain starts (the unsalted one: all zeros); the engine stand-ins start
+    from the same bytes of the cache_salt_id they are sent."""
+    return salt_id(salt).to_bytes(8, "little") + b"\x00" * 8 if salt else _ROOT
 
 
 def salt_id(salt: str) -> int:

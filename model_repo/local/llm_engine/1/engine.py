@@ -61,6 +61,7 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int = 0
+    cache_salt_id: int = 0  # the prefix cache's salt (the gateway's: per tenant)
     stop_words: list[list[int]] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)
     log_probs: bool = False  # keep each generated token's log-probability
@@ -501,7 +502,7 @@ class HfBackend(ContextWindow):
 
         torch = self.torch
         tpb = cache.tokens_per_block
-        keys = [block_keys(s.prompt, tpb) for s in sequences]
+        keys = [block_keys(s.prompt, tpb, s.sampling.cache_salt_id) for s in sequences]
         found = []
         for sequence, prompt_keys in zip(sequences, keys, strict=True):
             # Keep at least one prompt token to prefill: its logits give the first token. A
@@ -808,7 +809,7 @@ class SyntheticBackend(ContextWindow):
         tpb = cache.tokens_per_block
         tokens = []
         for sequence in sequences:
-            keys = block_keys(sequence.prompt, tpb)
+            keys = block_keys(sequence.prompt, tpb, sequence.sampling.cache_salt_id)
             blocks = cache.match(keys[: (len(sequence.prompt) - 1) // tpb])
             sequence.reused_blocks = len(blocks)
             cache.insert(keys[len(blocks) :], [None] * (len(keys) - len(blocks)))

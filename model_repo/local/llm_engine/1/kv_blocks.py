@@ -21,10 +21,16 @@ from typing import Any
 _ROOT = b"\x00" * 16
 
 
-def block_keys(tokens: Sequence[int], tokens_per_block: int) -> list[bytes]:
+def salt_root(cache_salt_id: int) -> bytes:
+    """Where a salted chain starts (TensorRT-LLM's cache_salt_id; 0: unsalted)."""
+    return cache_salt_id.to_bytes(8, "little") + b"\x00" * 8 if cache_salt_id else _ROOT
+
+
+def block_keys(tokens: Sequence[int], tokens_per_block: int, cache_salt_id: int = 0) -> list[bytes]:
     """The hash chain of every whole block of `tokens` (the same function as the gateway's
-    prefix index, so both name a prefix alike)."""
-    keys, previous = [], _ROOT
+    prefix index, so both name a prefix alike), from the request's cache salt: the same
+    tokens under two salts (two tenants) share no block."""
+    keys, previous = [], salt_root(cache_salt_id)
     for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
         block = tokens[start : start + tokens_per_block]
         previous = hashlib.blake2b(previous + struct.pack(f"<{len(block)}i", *block), digest_size=16).digest()

@@ -422,6 +422,7 @@ class TritonPythonModel:
             # Each of num_return_sequences samples with its own seed.
             seed=int(rows.value("seed", row, 0)) + index,
             min_tokens=int(rows.value("min_tokens", row, 0)),
+            cache_salt_id=int(rows.value("cache_salt_id", row, 0)),
             embedding_bias=self._embedding_bias(rows, row),
             stop_words=stop_words,
             bad_words=bad_words,
