@@ -234,3 +234,18 @@ async def test_the_ensemble_path_ends_length_when_max_tokens_is_reached(http) ->
         headers={"Prefer": "wait=30"},
     )
     assert response.json()["outputs"]["finish_reason"] == "length"
+
+
+async def test_a_stop_sequence_ends_the_ensembles_text_before_it(http) -> None:
+    body = {"model": "llm_ensemble", "parameters": {"seed": 9, "top_k": 20}}
+    inputs = {"text_input": "Once upon a time", "max_tokens": 24}
+    whole = (await http.post("/infer", json={**body, "inputs": inputs}, headers={"Prefer": "wait=30"})).json()
+    text = whole["outputs"]["text_output"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # three characters from its middle, across tokens maybe
+    assert stop.strip(), text
+    stopped = await http.post(
+        "/infer", json={**body, "inputs": {**inputs, "stop_words": [stop]}}, headers={"Prefer": "wait=30"}
+    )
+    record = stopped.json()
+    assert record["outputs"]["text_output"] == text[: text.index(stop)]
+    assert record["outputs"]["finish_reason"] == "stop"

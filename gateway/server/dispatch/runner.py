@@ -302,7 +302,7 @@ class Runner:
                 if pieces and emitter is not None:
                     await emitter.add(pieces)
                 if run.done:
-                    responses.cancel()  # the engine stops generating what nobody reads
+                    abort()  # the engine stops generating what nobody reads
                     break
         except asyncio.CancelledError:
             control.stop()

@@ -10,6 +10,7 @@ import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import Usage
+from gateway.server.llm.stops import StopMatcher
 from gateway.server.llm.tokenizer import LlmTokenizer
 from gateway.server.models.base import ModelAdapter, Piece, Resume, Run, check, tensor
 from gateway.server.models.inputs import LlmInputs, LlmParameters
@@ -28,7 +29,11 @@ class EnsembleRun(Run):
         self.triton_model = adapter.triton_model
         self.adapter = adapter
         self.prepared = prepared
-        self.pieces: list[str] = []
+        # Stop sequences on the text, as on the engine path: the ensemble's own stop words
+        # are token ids (they may miss a sequence and leave a found one in the text).
+        self.stops = StopMatcher(prepared.inputs.stop_words)
+        self.text = ""  # the text given out (up to a stop sequence)
+        self.given = 0  # pieces given out, those an earlier run sent included
         # Pieces an earlier run of this (deterministic) request already sent.
         self.skip = skip
         # The engine's token counts (return_num_input_tokens / return_num_output_tokens).
@@ -88,28 +93,36 @@ class EnsembleRun(Run):
         if found is None:
             return []
         texts = found.reshape(-1)
-        text = "".join(t.decode("utf-8", errors="replace") for t in texts)
+        return self._give(self.stops.feed("".join(t.decode("utf-8", errors="replace") for t in texts)))
+
+    def flush(self) -> list[Piece]:
+        return self._give(self.stops.finish())
+
+    def _give(self, text: str) -> list[Piece]:
         if not text:
             return []
-        self.pieces.append(text)
-        if len(self.pieces) <= self.skip:
-            return []
-        return [Piece(text)]
+        self.text += text
+        self.given += 1
+        return [Piece(text)] if self.given > self.skip else []
+
+    @property
+    def done(self) -> bool:
+        return self.stops.stopped
 
     def final(self) -> tuple[dict[str, Any], Usage | None]:
         """The text, and from the engine's token counts usage and why it ended (all its
         tokens used: length)."""
-        text = "".join(self.pieces)
+        text = self.text
         if self.output_tokens is None:
-            return {"text_output": text}, None
-        length = self.output_tokens >= self.prepared.inputs.max_tokens
+            return {"text_output": text, "finish_reason": "stop"} if self.stops.stopped else {"text_output": text}, None
+        length = self.output_tokens >= self.prepared.inputs.max_tokens and not self.stops.stopped
         prompt = self.input_tokens if self.input_tokens is not None else self.prepared.prompt_tokens
         usage = Usage(prompt_tokens=prompt or 0, completion_tokens=self.output_tokens)
         return {"text_output": text, "finish_reason": "length" if length else "stop"}, usage
 
     @property
     def produced(self) -> bool:
-        return len(self.pieces) > self.skip
+        return self.given > self.skip
 
 
 class EnsembleLlmAdapter(ModelAdapter):
