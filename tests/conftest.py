@@ -21,16 +21,8 @@ import redis.asyncio as aioredis
 import tritonclient.grpc.aio as triton_aio
 from pymongo import AsyncMongoClient
 
-from gateway.stack.process import (
-    TAG_ENV,
-    TRITON_SHM_PREFIX,
-    ManagedProcess,
-    free_port,
-    owned_processes,
-    remove_shm,
-    shm_regions,
-    stop_processes,
-)
+from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes, remove_shm, shm_regions
+from gateway.stack.process import ManagedProcess, free_port, stop_processes
 from gateway.stack.services import binder_spec, gateway_spec
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack

@@ -22,7 +22,8 @@ import psutil
 import pytest
 import redis
 
-from gateway.stack.process import TAG_ENV, TRITON_SHM_PREFIX, free_port, owned_processes, port_is_free
+from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes
+from gateway.stack.process import free_port, port_is_free
 from gateway.stack.services import binder_spec, gateway_spec
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack

@@ -22,7 +22,8 @@ import pytest
 import redis
 
 from gateway.protocol.redis_keys import shard_of
-from gateway.stack.process import TRITON_SHM_PREFIX, ManagedProcess, ServiceSpec, free_port, shm_regions
+from gateway.stack.owners import TRITON_SHM_PREFIX, shm_regions
+from gateway.stack.process import ManagedProcess, ServiceSpec, free_port
 from gateway.stack.services import gateway_spec, redis_spec
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack

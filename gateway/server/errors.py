@@ -7,11 +7,42 @@ from typing import Any
 
 
 class Refused(Exception):
-    """A call the gateway will not take: `code` is stable, `message` says why."""
+    """A call the gateway will not take: `code` is stable, `message` says why. `status`: the
+    HTTP status it answers with, where the kind of refusal does not say (an upstream's)."""
 
-    def __init__(self, code: str, message: str, *, details: Any = None, headers: dict[str, str] | None = None) -> None:
+    status: int | None = None
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        details: Any = None,
+        headers: dict[str, str] | None = None,
+        status: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.details, self.headers = code, message, details, headers or {}
+        if status is not None:
+            self.status = status
+
+
+class NotFound(Refused):
+    """No such object for this caller (another tenant's objects read as unknown too)."""
+
+    status = 404
+
+
+class Gone(Refused):
+    """It existed, and is kept no longer (a result past its retention)."""
+
+    status = 410
+
+
+class Unavailable(Refused):
+    """A part the call needs is away (a replica, a binder): an outage, not the caller's fault."""
+
+    status = 503
 
 
 class InvalidRequest(Refused):

@@ -4,7 +4,7 @@ routes (request.app.state.services)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fastapi import Request
 from redis.asyncio import Redis
@@ -26,11 +26,6 @@ from gateway.server.tenants.keys import KeyStore
 from gateway.server.tenants.quotas import Quotas
 from gateway.server.tenants.usage import UsageLedger
 
-if TYPE_CHECKING:  # these modules use Services themselves
-    from gateway.server.openai.batch_runner import BatchRunner
-    from gateway.server.openai.batches import BatchStore
-    from gateway.server.openai.files import FileStore
-
 
 @dataclass
 class Services:
@@ -51,9 +46,12 @@ class Services:
     tenants: TenantStore
     quotas: Quotas
     usage: UsageLedger
-    files: FileStore
-    batches: BatchStore
-    batch_runner: BatchRunner = field(init=False)  # needs the Services it belongs to
+    # The /v1 file and batch stores and the batch runner (gateway.server.openai: FileStore,
+    # BatchStore, BatchRunner), typed loosely here: that layer sits above this module and
+    # imports it, so naming its classes here would close an import circle.
+    files: Any
+    batches: Any
+    batch_runner: Any = field(init=False)  # needs the Services it belongs to
 
 
 def services(request: Request) -> Services:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from gateway.stack import signals
-from gateway.stack.process import DEFAULT_GRACE_S, OWNER_ENV, run_id, sweep
+from gateway.stack.owners import DEFAULT_GRACE_S, OWNER_ENV, run_id, sweep
 
 
 class _Guard:

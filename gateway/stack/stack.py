@@ -21,16 +21,13 @@ from tritonclient.grpc import model_config_pb2
 
 from gateway.stack import signals, weights
 from gateway.stack.devices import Device, place, resolve_device
+from gateway.stack.owners import TRITON_SHM_PREFIX, owned_processes, run_id, shm_regions
 from gateway.stack.process import (
-    TRITON_SHM_PREFIX,
     LaunchError,
     ManagedProcess,
     ServiceSpec,
     make_private_dir,
     make_private_tree,
-    owned_processes,
-    run_id,
-    shm_regions,
     stop_processes,
 )
 from gateway.stack.services import binder_spec, gateway_spec, mongo_spec, redis_spec

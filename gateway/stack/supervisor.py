@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from gateway.stack.process import DEFAULT_GRACE_S, LaunchError, ManagedProcess, describe_exit
+from gateway.stack.owners import DEFAULT_GRACE_S
+from gateway.stack.process import LaunchError, ManagedProcess, describe_exit
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.stack.devices import Device
-from gateway.stack.process import TRITON_SHM_PREFIX, LaunchError, ServiceSpec, make_private_tree, new_owner
+from gateway.stack.owners import TRITON_SHM_PREFIX, new_owner
+from gateway.stack.process import LaunchError, ServiceSpec, make_private_tree
 from gateway.stack.weights import offline_env
 
 

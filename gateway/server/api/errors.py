@@ -81,6 +81,8 @@ def validation_message(errors: list[Any]) -> str:
 
 def refusal_status(exc: Refused) -> int:
     """The native API's status for a domain refusal (the OpenAI dialect answers 422 as 400)."""
+    if exc.status is not None:
+        return exc.status
     if isinstance(exc, Busy):
         return 429
     if isinstance(exc, InvalidRequest | Conflict):

@@ -15,7 +15,7 @@ from gateway.common.result_store import ResultStore
 from gateway.protocol import ResultRecord, State, request_id_time, utc
 from gateway.protocol.http import LiveStatus, QueuePosition, result_urls
 from gateway.protocol.redis_keys import shard_of
-from gateway.server.api.errors import ApiError
+from gateway.server.errors import Gone, NotFound, Refused
 from gateway.server.queue.jobs import Job, JobStore, QueueStanding
 from gateway.server.results.notifier import CompletionNotifier
 
@@ -85,12 +85,12 @@ class ResultReader:
         eta = round((found.position + 1) / rate, 3) if rate else None
         return QueuePosition(position=found.position, tenant_position=found.tenant_position, eta_s=eta)
 
-    def unknown(self, request_id: str) -> ApiError:
+    def unknown(self, request_id: str) -> Refused:
         created = request_id_time(request_id)
         if created is not None and created + self.retention_s < time.time():
             days = self.retention_s / 86400
-            return ApiError(410, "result_expired", f"the result of {request_id} has expired (kept {days:g} days)")
-        return ApiError(404, "not_found", f"no request {request_id}")
+            return Gone("result_expired", f"the result of {request_id} has expired (kept {days:g} days)")
+        return NotFound("not_found", f"no request {request_id}")
 
     async def job(self, request_id: str, tenant: str | None) -> Job | None:
         """The live job, if it exists and belongs to the tenant (None = any tenant)."""

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from gateway.common.settings import index_partition
-from gateway.server.api.errors import ApiError
+from gateway.server.errors import Refused, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class BinderClient:
             if response.is_success:
                 return response.json()
             last_error = f"{url}: HTTP {response.status_code}"
-        raise ApiError(503, "binder_unavailable", f"no binder answered ({last_error})")
+        raise Unavailable("binder_unavailable", f"no binder answered ({last_error})")
 
     async def nearest(self, space: str, vector: list[float], k: int, tenant: str | None) -> list[dict[str, Any]]:
         body = {"space": space, "vector": vector, "k": k, "tenant": tenant}
@@ -68,7 +68,7 @@ class BinderClient:
         return await self._post(f"/webhooks/{request_id}/replay", {"tenant": tenant})
 
 
-def _refusal(response: httpx.Response) -> ApiError:
+def _refusal(response: httpx.Response) -> Refused:
     code = _CODES[response.status_code]
     try:
         body = response.json()
@@ -77,4 +77,4 @@ def _refusal(response: httpx.Response) -> ApiError:
         detail = response.text
     retry_after = response.headers.get("retry-after")
     headers = {"Retry-After": retry_after} if retry_after and retry_after.isdigit() else None
-    return ApiError(response.status_code, str(code)[:64], str(detail)[:500], headers=headers)
+    return Refused(str(code)[:64], str(detail)[:500], headers=headers, status=response.status_code)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 
 from gateway.protocol.http import SearchHit, SearchRequest, SearchResponse
-from gateway.server.api.errors import ApiError
 from gateway.server.dispatch.failures import classify
+from gateway.server.errors import InvalidRequest, Unavailable
 from gateway.server.models import InvalidInput, ModelRegistry
 from gateway.server.models.embedding import EmbeddingAdapter
 from gateway.server.replicas import ReplicaPool
@@ -33,13 +33,13 @@ class SearchService:
 
     async def search(self, query: SearchRequest, tenant: str | None = None) -> SearchResponse:
         if (query.text is None) == (query.image is None):
-            raise ApiError(422, "invalid_query", "give exactly one of text or image")
+            raise InvalidRequest("invalid_query", "give exactly one of text or image")
         kind = "text" if query.text is not None else "image"
         space = query.space or ("minilm" if kind == "text" else "clip")
         model = self.registry.embedder(space, kind)
         if model is None:
             spaces = ", ".join(self.registry.spaces(kind)) or "none"
-            raise ApiError(422, "unknown_space", f"no {kind} search in space {space!r}; spaces: {spaces}")
+            raise InvalidRequest("unknown_space", f"no {kind} search in space {space!r}; spaces: {spaces}")
         vector = await self.embed(model, {"text": query.text} if kind == "text" else {"image": query.image})
         hits = await self.binders.nearest(space, vector, query.k, tenant)
         records = await self.results.get_many([hit["request_id"] for hit in hits], tenant)
@@ -55,11 +55,11 @@ class SearchService:
         try:
             prepared = adapter.validate(raw_inputs, {})
         except InvalidInput as exc:
-            raise ApiError(422, "invalid_query", exc.message) from None
+            raise InvalidRequest("invalid_query", exc.message) from None
         try:
             replica = await self.pool.acquire(adapter.triton_model, timeout=EMBED_TIMEOUT_S)
         except TimeoutError:
-            raise ApiError(503, "no_replica", f"no Triton replica serves {adapter.name}") from None
+            raise Unavailable("no_replica", f"no Triton replica serves {adapter.name}") from None
         run = adapter.new_run(prepared)
         try:
             result = await replica.client.infer(
@@ -67,8 +67,8 @@ class SearchService:
             )
         except Exception as exc:
             failure = classify(exc)
-            status = 422 if failure.code == "invalid_input" else 503
-            raise ApiError(status, "embedding_failed", failure.message[:500]) from None
+            kind = InvalidRequest if failure.code == "invalid_input" else Unavailable
+            raise kind("embedding_failed", failure.message[:500]) from None
         finally:
             await self.pool.release(replica, adapter.triton_model)
         run.take(result)
