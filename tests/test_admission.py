@@ -28,7 +28,7 @@ def _two_tenants_of_one_shard(shards: int) -> tuple[str, str]:
 
 
 def test_an_idle_tenants_64_input_embeddings_call_is_answered_with_64_shards(stack) -> None:
-    gateway, url = stack.start_gateway("gateway-64-shards", REDIS_URL=stack.redis_db_url(20), REDIS_SHARDS="64")
+    gateway, url = stack.start_gateway("gateway-64-shards", REDIS_URL=stack.redis_db_url(14), REDIS_SHARDS="64")
     try:
         body = {"model": "text_embed", "input": [f"sentence {i}" for i in range(64)]}
         response = httpx.post(f"{url}/v1/embeddings", headers=AUTH, json=body, timeout=120)
@@ -42,7 +42,7 @@ def test_a_tenant_alone_may_use_the_whole_backlog_and_keeps_to_its_share_while_o
     gateway, url = stack.start_gateway(
         "gateway-share",
         ready_path="/healthz",
-        REDIS_URL=stack.redis_db_url(21),
+        REDIS_URL=stack.redis_db_url(15),
         REDIS_SHARDS="1",  # (with several, a tenant's shard admits at least its share)
         TRITON_GRPC_URLS="127.0.0.1:9",  # nothing runs: everything admitted waits
         MAX_BACKLOG="8",
@@ -69,7 +69,7 @@ def test_a_call_that_could_never_be_admitted_is_refused_naming_the_limit(stack) 
     gateway, url = stack.start_gateway(
         "gateway-never-fits",
         ready_path="/healthz",
-        REDIS_URL=stack.redis_db_url(22),
+        REDIS_URL=stack.redis_db_url(16),
         TRITON_GRPC_URLS="127.0.0.1:9",
         MAX_BACKLOG="8",
     )
@@ -88,7 +88,7 @@ def _when(record: dict, name: str) -> float:
 
 
 def test_an_embedding_beside_a_flood_of_llm_requests_on_one_replica_does_not_wait_for_the_flood(stack) -> None:
-    gateway, url = stack.start_gateway("gateway-two-models", REDIS_URL=stack.redis_db_url(23), REPLICA_MAX_INFLIGHT="4")
+    gateway, url = stack.start_gateway("gateway-two-models", REDIS_URL=stack.redis_db_url(17), REPLICA_MAX_INFLIGHT="4")
     try:
         flood = _tenant_key(url, f"flood-{time.time_ns()}")
         with httpx.Client(base_url=url, timeout=60) as client:
