@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
 from gateway.common.logs import request_ids_bound
+from gateway.common.redis import REDIS_OUTAGE
 from gateway.common.result_store import ResultStore
 from gateway.common.streams import Entry, StreamConsumer, stream_id_order
 from gateway.protocol import ResultRecord
@@ -58,6 +59,11 @@ return 1
 # and RESULTS_KEEP_S has passed; a follower gone longer rebuilds from MongoDB when back.
 TRIM_EVERY_S = 5.0
 READER_LIVE_S = 60.0
+
+
+# A shard's loop waits this long, doubling up to the most, for its Redis to come back.
+SHARD_RETRY_FIRST_S = 0.1
+SHARD_RETRY_MAX_S = 2.0
 
 
 class StoreUnavailable(Exception):
@@ -102,8 +108,9 @@ class Archiver:
         """Store results for good (returns only by failing; the caller restarts it)."""
         if not self.prepared:
             await self.prepare()
-        # A task group: one shard's loop failing stops the others before run() returns, so
-        # the restart that follows does not leave them running beside their successors.
+        # A task group: a loop failing (MongoDB away, a defect) stops the others before run()
+        # returns, so the restart that follows does not leave them running beside their
+        # successors. One shard's Redis away fails nothing: that loop waits for it alone.
         try:
             async with asyncio.TaskGroup() as group:
                 for shard in self.shards:
@@ -112,6 +119,18 @@ class Archiver:
             raise failed.exceptions[0] from None  # what failed, for the health report and the log
 
     async def _run_shard(self, shard: Shard) -> None:
+        """Store the shard's results for good; while its Redis is away (a failover), wait
+        for it with backoff: the other shards go on storing."""
+        delay = SHARD_RETRY_FIRST_S
+        while True:
+            try:
+                await self._serve_shard(shard)
+            except REDIS_OUTAGE as exc:
+                log.warning("results of %s wait for their Redis (%s: %s)", shard.results, type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(SHARD_RETRY_MAX_S, delay * 2)
+
+    async def _serve_shard(self, shard: Shard) -> None:
         consumer = self.consumers[shard.index]
         stream = shard.results
         await self._drain_own_pending(consumer, stream)

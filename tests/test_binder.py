@@ -364,6 +364,13 @@ class _ReadFails:
         return getattr(self._redis, name)
 
 
+class _ReadBreaks(_ReadFails):
+    """The Redis client, except that XREADGROUP raises what is no outage (a defect)."""
+
+    async def xreadgroup(self, *args, **kwargs):
+        raise RuntimeError("this shard's loop has a defect")
+
+
 def _shard_loops() -> list[asyncio.Task]:
     return [
         task
@@ -372,15 +379,40 @@ def _shard_loops() -> list[asyncio.Task]:
     ]
 
 
-async def test_one_failing_shard_stops_the_archivers_other_shard_loops_before_run_returns(
-    stack, mongo, isolated
-) -> None:
+async def test_a_shard_whose_redis_is_away_waits_alone_while_the_other_shards_store(stack, mongo, isolated) -> None:
     redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
     store = ResultStore(mongo, isolated["MONGO_DB"], retention_s=3600)
+    await store.prepare()
     archiver = Archiver(redis, store, WebhookQueue(redis), _settings(isolated, stack, "two-shards", redis_shards=2))
-    archiver.consumers[1].redis = _ReadFails(redis)
+    await archiver.prepare()
+    records = mixed_records(6, seed=5)
+    async with redis.pipeline(transaction=False) as pipe:  # every record in shard 0's stream
+        for record in records:
+            pipe.xadd(archiver.shards[0].results, {"id": record.request_id, "record": record.model_dump_json()})
+        await pipe.execute()
+    archiver.consumers[1].redis = _ReadFails(redis)  # shard 1's Redis is away
+    running = asyncio.create_task(archiver.run())
     try:
-        with pytest.raises(ConnectionError):
+        await _until(lambda: _counted(mongo, isolated["MONGO_DB"], len(records)))
+        assert not running.done()  # nothing failed the run: shard 1 waits for its Redis alone
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await redis.aclose()
+    assert _shard_loops() == []
+
+
+async def _counted(mongo, database: str, count: int) -> bool:
+    return await _documents(mongo, database) >= count
+
+
+async def test_a_failing_archiver_run_leaves_no_shard_loop_behind(stack, mongo, isolated) -> None:
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    store = ResultStore(mongo, isolated["MONGO_DB"], retention_s=3600)
+    archiver = Archiver(redis, store, WebhookQueue(redis), _settings(isolated, stack, "two-shards-bug", redis_shards=2))
+    archiver.consumers[1].redis = _ReadBreaks(redis)
+    try:
+        with pytest.raises(RuntimeError):
             await archiver.run()  # the supervisor would start it again now
         assert _shard_loops() == []  # no loop of the failed run goes on beside the next one
     finally:
