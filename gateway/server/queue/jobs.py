@@ -27,6 +27,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from gateway.common.redis import NotReplicated, RedisClients
 from gateway.protocol import (
@@ -229,6 +230,24 @@ class Job:
         return Usage(prompt_tokens=int(prompt), completion_tokens=0)
 
 
+class _Script(AsyncScript):
+    """A Lua script that survives a failover: a node that does not know it (a replica just
+    promoted, or a node restarted, whose script cache is empty) gets it loaded, after the
+    slot map is read again if the first load did not reach it (a map from before the
+    failover names the old primaries)."""
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        try:
+            return await super().__call__(keys=keys, args=args, client=client)
+        except NoScriptError:
+            target = client if client is not None else self.registered_client
+            manager = getattr(target, "nodes_manager", None)
+            if manager is None:
+                raise
+            await manager.initialize()  # the cluster's current primaries
+            return await super().__call__(keys=keys, args=args, client=client)
+
+
 class JobStore:
     def __init__(
         self,
@@ -250,16 +269,16 @@ class JobStore:
         # Called with every record this process ends (run, cancel while queued, expiry):
         # each request is counted once, by the process that ended it.
         self.on_ended: list[Callable[[ResultRecord], None]] = []
-        self._submit = redis.register_script(scripts.SUBMIT)
-        self._take = redis.register_script(scripts.TAKE)
-        self._emit = redis.register_script(scripts.EMIT)
-        self._renew = redis.register_script(scripts.RENEW)
-        self._reclaim = redis.register_script(scripts.RECLAIM)
-        self._handover = redis.register_script(scripts.HANDOVER)
-        self._finish = redis.register_script(scripts.FINISH)
-        self._cancel = redis.register_script(scripts.CANCEL)
-        self._read = redis.register_script(scripts.READ)
-        self._queue = redis.register_script(scripts.QUEUE)
+        self._submit = _Script(redis, scripts.SUBMIT)
+        self._take = _Script(redis, scripts.TAKE)
+        self._emit = _Script(redis, scripts.EMIT)
+        self._renew = _Script(redis, scripts.RENEW)
+        self._reclaim = _Script(redis, scripts.RECLAIM)
+        self._handover = _Script(redis, scripts.HANDOVER)
+        self._finish = _Script(redis, scripts.FINISH)
+        self._cancel = _Script(redis, scripts.CANCEL)
+        self._read = _Script(redis, scripts.READ)
+        self._queue = _Script(redis, scripts.QUEUE)
         self.unreplicated_finishes = 0  # finishes no replica confirmed in time
         self._unreplicated_logged_at = 0.0
 
