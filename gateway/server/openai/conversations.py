@@ -22,8 +22,8 @@ from pydantic import Field
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai.response_store import ConversationStore
-from gateway.server.openai.responses import INCLUDE_LOGPROBS, conversation_items, conversation_of, items_of, with_ids
-from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported, unsupported
+from gateway.server.openai.responses import check_include, conversation_items, conversation_of, items_of, with_ids
+from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported
 from gateway.server.services import services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -52,13 +52,6 @@ def _object(document: dict[str, Any]) -> dict[str, Any]:
         "created_at": int(document.get("created_at", 0)),
         "metadata": document.get("metadata") or {},
     }
-
-
-def _check_include(request: Request) -> None:
-    include = request.query_params.getlist("include") + request.query_params.getlist("include[]")
-    for index, item in enumerate(include):
-        if item != INCLUDE_LOGPROBS:
-            raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
 
 
 async def _add(request: Request, who: Caller, conversation: str, given: list[Any]) -> list[dict[str, Any]]:
@@ -118,7 +111,7 @@ async def delete_conversation(conversation: str, request: Request, who: Annotate
 async def create_items(
     conversation: str, body: ItemsCreate, request: Request, who: Annotated[Caller, Depends(caller)]
 ) -> Any:
-    _check_include(request)
+    check_include(request)
     items_of(body.items, param="items")
     refuse_unsupported(body, "conversations")
     await conversation_of(services(request), who, conversation)
@@ -135,7 +128,7 @@ async def list_items(
     order: Literal["asc", "desc"] = "desc",
 ) -> Any:
     svc = services(request)
-    _check_include(request)
+    check_include(request)
     await conversation_of(svc, who, conversation)
     items = [item for _, item in await conversation_items(svc, who, conversation)]
     if order == "desc":
@@ -162,7 +155,7 @@ async def _find(request: Request, who: Caller, conversation: str, item_id: str) 
 
 @router.get("/conversations/{conversation}/items/{item}", summary="Get an item of a conversation")
 async def get_item(conversation: str, item: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
-    _check_include(request)
+    check_include(request)
     _, found = await _find(request, who, conversation, item)
     return JSONResponse(found)
 

@@ -1014,6 +1014,14 @@ async def get_response(
     )
 
 
+def check_include(request: Request) -> None:
+    """The `include` of a list of items: only the output text's log-probabilities."""
+    include = request.query_params.getlist("include") + request.query_params.getlist("include[]")
+    for index, item in enumerate(include):
+        if item != INCLUDE_LOGPROBS:
+            raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
+
+
 @router.get("/responses/{response}/input_items", summary="List the items a response was given")
 async def list_input_items(
     response: str,
@@ -1024,10 +1032,7 @@ async def list_input_items(
     order: Literal["asc", "desc"] = "desc",
 ) -> Any:
     svc = services(request)
-    include = request.query_params.getlist("include") + request.query_params.getlist("include[]")
-    for index, item in enumerate(include):
-        if item != INCLUDE_LOGPROBS:
-            raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
+    check_include(request)
     await _read(svc, who, response)
     document = await _kept(svc, who, response)
     if document is None:
