@@ -56,7 +56,8 @@ return 1
 
 # Trimming: a results entry goes once it is stored (the group acknowledged it), every live
 # index follower has read it (Shard.results_readers: followers seen within READER_LIVE_S),
-# and RESULTS_KEEP_S has passed; a follower gone longer rebuilds from MongoDB when back.
+# and RESULTS_KEEP_S has passed; a follower gone longer rebuilds from MongoDB when back
+# (its gap check: at start and every GAP_CHECK_EVERY_S, binder/index/follower.py).
 TRIM_EVERY_S = 5.0
 READER_LIVE_S = 60.0
 

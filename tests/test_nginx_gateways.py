@@ -99,3 +99,20 @@ async def test_nginx_refuses_an_oversized_body_with_the_api_error_format(nginx_i
         response = await client.post("/infer", content=b"x" * (9 * 1024 * 1024))
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "payload_too_large"
+
+
+async def test_a_file_upload_over_8_mib_passes_through_nginx(nginx_in_front) -> None:
+    # /v1/files takes the gateway's MAX_FILE_BYTES (200 MiB); 9.5 MiB is over the 8 MiB
+    # every other path keeps, and small enough for CI.
+    line = b'{"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}\n'
+    content = line * (int(9.5 * 1024 * 1024) // len(line) + 1)
+    async with httpx.AsyncClient(headers=AUTH, base_url=nginx_in_front["url"], timeout=120) as client:
+        response = await client.post("/v1/files", files={"file": ("big.jsonl", content)}, data={"purpose": "batch"})
+        assert response.status_code == 200, response.text
+        uploaded = response.json()
+        assert uploaded["bytes"] == len(content) > 9 * 1024 * 1024
+        # Every other path still refuses a body of that size at nginx.
+        refused = await client.post("/v1/embeddings", content=content)
+        await client.delete(f"/v1/files/{uploaded['id']}")
+    assert refused.status_code == 413
+    assert refused.json()["error"]["code"] == "payload_too_large"

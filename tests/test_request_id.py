@@ -284,6 +284,22 @@ async def test_nginx_passes_a_sane_client_id_on_and_replaces_an_unusable_one(
     )
 
 
+async def test_nginx_passes_the_durable_request_id_of_a_v1_answer_on_unchanged(traced, nginx_in_front) -> None:
+    async with httpx.AsyncClient(base_url=nginx_in_front["url"], headers=AUTH, timeout=60) as client:
+        response = await client.post(
+            "/v1/embeddings", json={"model": "text_embed", "input": "via nginx"}, headers={"X-Request-ID": "client-v1"}
+        )
+        assert response.status_code == 200, response.text
+        # The gateway's X-Request-ID names the durable request (as OpenAI's does); the
+        # call's own id is in X-Trace-ID. nginx must not put its trace id in its place.
+        [request_id] = response.headers.get_list("x-request-id")
+        assert response.headers.get_list("x-trace-id") == ["client-v1"]
+        assert request_id != "client-v1"
+        stored = await client.get(f"/results/{request_id}")
+    assert stored.status_code == 200, stored.text
+    assert stored.json()["request_id"] == request_id
+
+
 # ---- HTTP metrics per route ------------------------------------------------------------
 
 

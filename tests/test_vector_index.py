@@ -106,6 +106,81 @@ async def test_kill_during_a_snapshot_keeps_the_previous_one_and_replay_reaches_
     await redis.aclose()
 
 
+class GatedReader:
+    """A follower's reader whose reads wait while the gate is closed (`waiting` is set once
+    a read waits there: no read is under way then)."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self.gate, self.waiting = asyncio.Event(), asyncio.Event()
+        self.gate.set()
+
+    async def xread(self, *args, **kwargs):
+        if not self.gate.is_set():
+            self.waiting.set()
+            await self.gate.wait()
+        return await self.redis.xread(*args, **kwargs)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_running_follower_that_was_trimmed_past_rebuilds_from_mongodb(stack, tmp_path) -> None:
+    redis = aioredis.from_url(stack.redis_db_url(38), decode_responses=True)
+    await redis.flushdb()
+    mongo: AsyncMongoClient = AsyncMongoClient(stack.mongo_url, tz_aware=True)
+    store = ResultStore(mongo, f"gap_test_{time.time_ns()}", 3600)
+    index = VectorIndex(tmp_path, use_gpu=False)
+    reader = GatedReader(redis)
+
+    async def gated(_shard: Shard) -> GatedReader:
+        return reader
+
+    follower = IndexFollower(
+        redis,
+        index,
+        store,
+        shards=[Shard(0)],
+        reader=gated,
+        snapshot_interval_s=3600,
+        gap_check_s=0.1,  # type: ignore[arg-type]
+    )
+    first, missed, last = (embedding_record(v.tolist()) for v in unit_vectors(3, 384, seed=21))
+    running = asyncio.create_task(follower.run())
+    try:
+        await publish(redis, [first])
+        deadline = time.monotonic() + 20
+        while index.ntotal("minilm") < 1:
+            assert time.monotonic() < deadline, "the first result was not indexed"
+            await asyncio.sleep(0.05)
+        reader.gate.clear()
+        await asyncio.wait_for(reader.waiting.wait(), 10)
+        # While it does not read: `missed` is stored and trimmed from the stream (as the
+        # archiver does with a follower it no longer waits for), `last` comes after it.
+        assert not (await store.insert([missed])).failed
+        await publish(redis, [missed, last])
+        newest = (await redis.xrevrange(Shard(0).results, count=1))[0][0]
+        await redis.xtrim(Shard(0).results, minid=newest, approximate=False)
+        deadline = time.monotonic() + 20
+        while not index.search("minilm", missed.outputs["embedding"], 1) or (
+            index.search("minilm", missed.outputs["embedding"], 1)[0][0] != missed.request_id
+        ):
+            assert time.monotonic() < deadline, "the trimmed result never reached the index"
+            assert not running.done(), running
+            await asyncio.sleep(0.05)
+        reader.gate.set()
+        while index.ntotal("minilm") < 3:
+            assert time.monotonic() < deadline, "the result after the gap was not indexed"
+            await asyncio.sleep(0.05)
+    finally:
+        reader.gate.set()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await redis.flushdb()
+        await redis.aclose()
+        await mongo.close()
+
+
 def _items(vectors, prefix: str = "id", tenant: str = DEFAULT_TENANT, expires_at: float = NEVER) -> list[Item]:
     return [Item("space", tenant, f"{prefix}-{i}", v.tolist(), expires_at) for i, v in enumerate(vectors)]
 
@@ -195,6 +270,64 @@ def test_indexing_and_search_go_on_while_a_snapshot_file_is_written(tmp_path, mo
     assert added == 10 and hits[0][0] == "late-5"
     loaded = VectorIndex(tmp_path, use_gpu=False)
     assert loaded.load() and loaded.ntotal("space") == 40  # what the index held when the snapshot began
+
+
+def test_a_search_is_answered_while_a_snapshot_is_copying_a_shard(tmp_path) -> None:
+    index = VectorIndex(tmp_path, use_gpu=False)
+    vectors = unit_vectors(60, 16)
+    index.add(_items(vectors[:40]), position=("results", "7-0"))
+    index.snapshot_chunk = 10  # the shard is copied in four turns of the lock
+    copying, release = threading.Event(), threading.Event()
+    chunks = 0
+
+    def hold_after_the_first_chunk() -> None:
+        nonlocal chunks
+        chunks += 1
+        if chunks == 1:
+            copying.set()
+            release.wait(30)
+
+    index.on_snapshot_chunk = hold_after_the_first_chunk
+    snapshot = threading.Thread(target=index.snapshot)
+    snapshot.start()
+    pool = ThreadPoolExecutor(1)  # the follower and searches run on worker threads
+    try:
+        assert copying.wait(10), "the snapshot did not copy its shard in chunks"
+        # The snapshot is in the middle of the shard: the lock is free for searches and indexing.
+        hits = pool.submit(index.search, "space", vectors[5].tolist(), 1).result(timeout=5)
+        added = pool.submit(index.add, _items(vectors[40:], "late")).result(timeout=5)
+    finally:
+        release.set()
+        snapshot.join(30)
+        pool.shutdown()
+    assert hits[0][0] == "id-5" and added == 20
+    assert chunks == 4
+    loaded = VectorIndex(tmp_path, use_gpu=False)
+    assert loaded.load() and loaded.positions == {"results": "7-0"}
+    assert loaded.ntotal("space") == 40  # the vectors the shard held when its copy began
+    assert loaded.search("space", vectors[33].tolist(), 1)[0][0] == "id-33"
+
+
+def test_a_sweep_during_a_snapshot_makes_that_shards_copy_start_over(tmp_path) -> None:
+    index = VectorIndex(tmp_path, use_gpu=False)
+    vectors = unit_vectors(30, 16)
+    index.add(_items(vectors[:10], "old", expires_at=1100.0) + _items(vectors[10:], "new"), now=1000.0)
+    index.snapshot_chunk = 8
+    chunks = 0
+
+    def sweep_after_the_first_chunk() -> None:
+        nonlocal chunks
+        chunks += 1
+        if chunks == 1:  # compacts the shard: the vectors copied so far moved
+            assert index.forget_expired(now=1100.0) == 10
+
+    index.on_snapshot_chunk = sweep_after_the_first_chunk
+    index.snapshot()
+    loaded = VectorIndex(tmp_path, use_gpu=False)
+    assert loaded.load() and loaded.ntotal("space") == 20
+    assert {rid for rid, _ in loaded.search("space", vectors[0].tolist(), 30, now=1000.0)} == {
+        f"new-{i}" for i in range(20)
+    }
 
 
 # -- binders started by the tests below, on Redis and MongoDB databases of their own

@@ -7,7 +7,10 @@ consumer group, which splits entries between binders), each from the last entry 
 snapshot applied. Without
 a snapshot, or when a stream was trimmed past that entry, it rebuilds from MongoDB and
 then replays all the streams still hold (results not yet stored are there; ids already
-present are skipped).
+present are skipped). The gap check runs at start and then every GAP_CHECK_EVERY_S while
+it follows: a follower whose positions the archiver stopped seeing (reports failing or
+late for half of READER_LIVE_S) may have been trimmed past, and then rebuilds the same way
+(trimmed entries were stored first, so MongoDB has them).
 
 Each vector keeps its result's tenant and expiry (the expires_at MongoDB's TTL acts
 on, computed the way the store computes it), so searches stay within a tenant and
@@ -28,6 +31,7 @@ from datetime import datetime
 
 from redis.asyncio import Redis
 
+from binder.archive import READER_LIVE_S
 from binder.index.vectors import NEVER, Item, VectorIndex
 from gateway.common.result_store import ResultStore, embedding_from_document, expiry_of
 from gateway.common.streams import stream_id_order
@@ -41,6 +45,11 @@ log = logging.getLogger(__name__)
 SWEEP_EVERY_S = 10.0
 # How often the follower says how far it has read (the archiver's trimming waits for it).
 READ_POSITION_S = 2.0
+# How often a running follower checks that no stream was trimmed past what it applied.
+GAP_CHECK_EVERY_S = 30.0
+# Reports this far apart (or none) and the archiver may have stopped waiting for this
+# follower: entries it had not read may have been trimmed.
+_REPORTS_LATE_S = READER_LIVE_S / 2
 
 
 # The index forgets a vector this long before its record's expires_at: TTL monitors and
@@ -85,6 +94,7 @@ class IndexFollower:
         batch: int = 512,
         holds: Callable[[str], bool] | None = None,
         name: str = "",
+        gap_check_s: float = GAP_CHECK_EVERY_S,
     ) -> None:
         """reader(shard): a client of one connection to the shard's Redis, for blocking
         reads (default: the main client). holds(tenant): whether this binder's index
@@ -100,6 +110,11 @@ class IndexFollower:
         # Named, the follower says how far it has read each stream (Shard.results_readers):
         # the archiver trims no entry a live follower has not read.
         self.name = name
+        self.gap_check_s = gap_check_s
+        # When the positions were last reported (None: not since start), and whether the
+        # reports were late at some time since the last gap check.
+        self._reported_at: float | None = None
+        self._reports_were_late = False  # at start, prepare() checked
         self.prepared = False
         self.caught_up = asyncio.Event()  # every stream read to its end once
         self.snapshotting: asyncio.Task[None] | None = None
@@ -127,6 +142,24 @@ class IndexFollower:
         first = await self.redis.xrange(shard.results, count=1)
         return bool(first) and stream_id_order(first[0][0]) > stream_id_order(last_id) and last_id != "0-0"
 
+    def _may_have_been_trimmed_past(self) -> bool:
+        """Whether the archiver may have trimmed entries this follower had not read: it
+        waits only for followers that report (named ones), while their reports are fresh."""
+        now = time.monotonic()
+        late = self._reported_at is None or now - self._reported_at > _REPORTS_LATE_S
+        return not self.name or late or self._reports_were_late
+
+    async def _gaps(self) -> bool:
+        """The periodic gap check: True when a stream was trimmed past what was applied.
+        (A trim up to the position also leaves the first entry past it: only a follower
+        the archiver may have stopped waiting for is checked.)"""
+        if not self._may_have_been_trimmed_past():
+            return False
+        found = [await self._gap_after(shard) for shard in self.shards]
+        if self.name and self._reported_at is not None and time.monotonic() - self._reported_at <= _REPORTS_LATE_S:
+            self._reports_were_late = False  # fresh again, and checked since
+        return any(found)
+
     async def rebuild(self) -> None:
         """Everything MongoDB holds; run() then replays the streams from their start."""
         started = time.monotonic()
@@ -142,14 +175,34 @@ class IndexFollower:
     async def run(self) -> None:
         if not self.prepared:  # at start, or after a failed start (MongoDB or Redis down)
             await self.prepare()
-        caught_up: set[int] = set()
-        followers = [asyncio.create_task(self._follow(shard, caught_up)) for shard in self.shards]
+        housekeeping = asyncio.create_task(self._housekeeping())
         try:
-            await asyncio.gather(self._housekeeping(), *followers)
+            while True:
+                caught_up: set[int] = set()
+                followers = [asyncio.create_task(self._follow(shard, caught_up)) for shard in self.shards]
+                try:
+                    await self._until_a_gap([housekeeping, *followers])
+                finally:
+                    for task in followers:
+                        task.cancel()
+                    await asyncio.gather(*followers, return_exceptions=True)
+                log.warning("index: a results stream was trimmed past what it applied; rebuilding from MongoDB")
+                await self.rebuild()
         finally:
-            for task in followers:
-                task.cancel()
-            await asyncio.gather(*followers, return_exceptions=True)
+            housekeeping.cancel()
+            await asyncio.gather(housekeeping, return_exceptions=True)
+
+    async def _until_a_gap(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Return when the gap check finds a gap; raise what a task failed with (they
+        run for good otherwise)."""
+        while True:
+            done, _ = await asyncio.wait(tasks, timeout=self.gap_check_s, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+            if done:
+                raise RuntimeError("an index follower task ended")
+            if await self._gaps():
+                return
 
     async def _follow(self, shard: Shard, caught_up: set[int]) -> None:
         reader = await self.reader(shard) if self.reader is not None else self.redis
@@ -196,6 +249,10 @@ class IndexFollower:
         now_ms = int(time.time() * 1000)
         for shard in self.shards:
             await self.redis.hset(shard.results_readers, self.name, f"{self.index.position(shard.results)} {now_ms}")
+        now = time.monotonic()
+        if self._reported_at is not None and now - self._reported_at > _REPORTS_LATE_S:
+            self._reports_were_late = True
+        self._reported_at = now
 
     def _maybe_snapshot(self) -> None:
         """Start a snapshot in the background when one is due and none is being written."""

@@ -14,8 +14,12 @@ marked ones from FAISS now and then (remove_ids on a flat index compacts all of 
 too costly to do on every search).
 
 One task writes (the follower, from a worker thread); searches, expiry and snapshots
-take the same lock, each only briefly: a snapshot clones the indexes under the lock
-and writes the files after releasing it, so it blocks neither searches nor indexing.
+take the same lock, each only briefly. A snapshot never holds it for a whole clone: it
+copies one shard at a time, SNAPSHOT_CHUNK vectors per turn of the lock (a flat index
+only grows at its end, so the vectors copied stay where they were; a sweep, which
+compacts a shard, makes the copy of that shard start over), and writes that shard's file
+before copying the next. Searches and indexing go on between the turns, and the memory a
+snapshot takes is one shard's copy, not the whole index's.
 
 Snapshots are atomic: all files go into a fresh directory, are fsynced, and only then
 does the CURRENT pointer (itself replaced by rename) move to it. A process killed
@@ -30,6 +34,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,6 +50,10 @@ log = logging.getLogger(__name__)
 # index is rebuilt from MongoDB instead.
 SNAPSHOT_FORMAT = 3
 NEVER = float("inf")
+# Vectors a snapshot copies per turn of the index lock (384-d float32: 24 MiB, a few ms).
+SNAPSHOT_CHUNK = 16_384
+# A shard whose copy was started over this often (sweeps meanwhile) is copied in one turn.
+_SNAPSHOT_RETRIES = 3
 
 
 class Item(NamedTuple):
@@ -69,6 +78,7 @@ class Shard:
     expired: set[int] = field(default_factory=set)  # past expiry, still in FAISS until swept
     next_id: int = 0
     gpu: Any = None  # a GPU copy of the flat vectors for search, when a GPU is present
+    generation: int = 0  # changes when a sweep compacts the vectors (positions move)
 
     @classmethod
     def empty(cls, dim: int) -> Shard:
@@ -108,6 +118,7 @@ class Shard:
             return 0
         gone = np.fromiter(self.expired, dtype=np.int64, count=len(self.expired))
         removed = int(self.index.remove_ids(faiss.IDSelectorBatch(gone)))
+        self.generation += 1
         for faiss_id in self.expired:
             request_id = self.request_of.pop(faiss_id, None)
             if request_id is not None:
@@ -141,13 +152,13 @@ class Shard:
 
 @dataclass
 class Captured:
-    """A shard's state copied under the lock, for writing after it is released."""
+    """A shard's state copied (in turns of the lock), for writing after it is released."""
 
     space: str
     tenant: str
     dim: int
     index: Any
-    request_of: dict[int, str]
+    request_ids: list[str]  # in the order of the copy's vectors
     expiry: list[tuple[float, int]]
     expired: set[int]
 
@@ -167,6 +178,9 @@ class VectorIndex:
         self.snapshotted: dict[str, int] | None = None
         self.lock = threading.Lock()
         self.snapshot_lock = threading.Lock()  # one snapshot writes at a time
+        self.snapshot_chunk = SNAPSHOT_CHUNK
+        # Called (without the lock) after each chunk a snapshot copies: tests hold it there.
+        self.on_snapshot_chunk: Callable[[], None] | None = None
         self.use_gpu = faiss.get_num_gpus() > 0 if use_gpu is None else use_gpu
         self._gpu_resources = faiss.StandardGpuResources() if self.use_gpu else None
 
@@ -254,36 +268,62 @@ class VectorIndex:
     def position(self, stream: str) -> str:
         return self.positions.get(stream, "0-0")
 
-    def _capture(self) -> tuple[dict[str, str], list[Captured]]:
-        """Copies of every shard, taken under the lock (memory copies only, no I/O)."""
-        with self.lock:
-            captured = []
-            for (space, tenant), shard in self.shards.items():
-                index = faiss.clone_index(shard.index)
-                state = (dict(shard.request_of), list(shard.expiry), set(shard.expired))
-                captured.append(Captured(space, tenant, shard.dim, index, *state))
-            return dict(self.positions), captured
+    def _capture(self, key: tuple[str, str]) -> Captured | None:
+        """A copy of one shard, SNAPSHOT_CHUNK vectors per turn of the lock (None: the
+        shard is gone, a load replaced the index). Vectors added meanwhile may be in it."""
+        for attempt in range(_SNAPSHOT_RETRIES + 1):
+            whole = attempt == _SNAPSHOT_RETRIES  # sweeps kept starting it over: one turn
+            with self.lock:
+                shard = self.shards.get(key)
+                if shard is None:
+                    return None
+                generation, total = shard.generation, shard.index.ntotal
+            copy: Any = faiss.IndexIDMap2(faiss.IndexFlatIP(shard.dim))
+            request_ids: list[str] = []
+            step = total if whole else max(1, self.snapshot_chunk)
+            start = 0
+            while True:
+                with self.lock:
+                    if self.shards.get(key) is not shard or shard.generation != generation:
+                        break  # compacted (or replaced) meanwhile: start over
+                    if start >= total:
+                        # The expiry of what was copied, at the same turn as its last part.
+                        return Captured(
+                            key[0], key[1], shard.dim, copy, request_ids, list(shard.expiry), set(shard.expired)
+                        )
+                    count = min(step, total - start)
+                    vectors = faiss.downcast_index(shard.index.index).reconstruct_n(start, count)
+                    ids = faiss.rev_swig_ptr(shard.index.id_map.data(), total)[start : start + count].copy()
+                    request_ids.extend(shard.request_of[i] for i in ids.tolist())
+                copy.add_with_ids(vectors, ids)
+                start += count
+                if self.on_snapshot_chunk is not None:
+                    self.on_snapshot_chunk()
+        raise AssertionError("unreachable: the last attempt copies in one turn")
 
     def snapshot(self) -> Path:
+        """Write every shard (one at a time) and the positions, then move CURRENT to it.
+        The positions are taken first: every entry up to them is in the shards copied
+        after, and a replay from them adds what came later (again: it is skipped)."""
         with self.snapshot_lock:
-            positions, captured = self._capture()
-            written = self._write(positions, captured)
-            counts: dict[str, int] = {}
-            for shard in captured:
-                counts[shard.space] = counts.get(shard.space, 0) + len(shard.request_of) - len(shard.expired)
-            self.snapshotted = counts
-            return written
+            with self.lock:
+                positions, keys = dict(self.positions), list(self.shards)
+            return self._write(positions, keys)
 
-    def _write(self, positions: dict[str, str], captured: list[Captured]) -> Path:
+    def _write(self, positions: dict[str, str], keys: list[tuple[str, str]]) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"snapshot-{time.time_ns()}"
         staging = self.directory / f"{name}.partial"
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir()
-        shards_meta = []
-        for number, shard in enumerate(captured):
-            file_name = f"shard-{number}.faiss"
+        shards_meta: list[dict[str, Any]] = []
+        counts: dict[str, int] = {}
+        for key in keys:
+            shard = self._capture(key)
+            if shard is None:
+                continue
+            file_name = f"shard-{len(shards_meta)}.faiss"
             faiss.write_index(shard.index, str(staging / file_name))
             ids = faiss.vector_to_array(shard.index.id_map).tolist()  # in the order of the vectors
             expiry = {faiss_id: at for at, faiss_id in shard.expiry}
@@ -294,10 +334,13 @@ class VectorIndex:
                     "space": shard.space,
                     "tenant": shard.tenant,
                     "dim": shard.dim,
-                    "request_ids": [shard.request_of[i] for i in ids],
+                    "request_ids": shard.request_ids,
                     "expires_at": [_json_time(expiry.get(i, NEVER)) for i in ids],
                 }
             )
+            live = len(ids) - len(shard.expired.intersection(ids))
+            counts[shard.space] = counts.get(shard.space, 0) + live
+            del shard  # one shard's copy at a time: freed before the next is copied
         meta = {"format": SNAPSHOT_FORMAT, "positions": positions, "shards": shards_meta}
         if self.partition:
             meta["partition"] = self.partition
@@ -317,6 +360,7 @@ class VectorIndex:
         for old in self.directory.iterdir():
             if old.is_dir() and old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
+        self.snapshotted = counts
         return final
 
     def load(self) -> bool:

@@ -21,6 +21,7 @@ from binder.metrics import BinderMetrics
 from binder.settings import BinderSettings
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.search.binders import BinderClient
+from gateway.server.settings import GatewaySettings
 
 # The checkout's (not shipped in the package: applied from a checkout with kubectl).
 KUBERNETES = Path(__file__).resolve().parents[2] / "kubernetes"
@@ -577,18 +578,45 @@ def test_every_config_and_secret_reference_resolves(production) -> None:
 # -- the front door --------------------------------------------------------------------------
 
 
-def test_the_ingress_is_safe_for_server_sent_events(production) -> None:
-    ingress = one(production, "Ingress", "gateway")
+INGRESS_PATHS = {"gateway-api": ("/", "Prefix", "8m"), "gateway-files": ("/v1/files", "Exact", "201m")}
+
+
+@pytest.mark.parametrize("name", sorted(INGRESS_PATHS))
+def test_the_ingress_is_safe_for_server_sent_events(production, name: str) -> None:
+    ingress = one(production, "Ingress", name)
     notes = ingress["metadata"]["annotations"]
     assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
     assert int(notes["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600
     assert int(notes["nginx.ingress.kubernetes.io/proxy-send-timeout"]) >= 3600
-    assert notes["nginx.ingress.kubernetes.io/proxy-body-size"] == "8m"
     assert notes["nginx.org/proxy-buffering"] == "False"
-    assert notes["nginx.org/client-max-body-size"] == "8m"
-    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    [path] = ingress["spec"]["rules"][0]["http"]["paths"]
+    backend = path["backend"]["service"]
     service = one(production, "Service", backend["name"])
     assert backend["port"]["name"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_only_file_uploads_pass_the_ingress_with_bodies_over_8_mib(production) -> None:
+    files_limit = GatewaySettings.model_fields["max_file_bytes"].default + (1 << 20)  # the gateway's, with the form
+    limits = {"gateway-api": "8m", "gateway-files": f"{files_limit >> 20}m"}
+    assert INGRESS_PATHS["gateway-files"][2] == limits["gateway-files"]
+    for name, (route, kind, size) in INGRESS_PATHS.items():
+        ingress = one(production, "Ingress", name)
+        notes = ingress["metadata"]["annotations"]
+        assert notes["nginx.ingress.kubernetes.io/proxy-body-size"] == notes["nginx.org/client-max-body-size"] == size
+        [path] = ingress["spec"]["rules"][0]["http"]["paths"]
+        assert (path["path"], path["pathType"]) == (route, kind)
+        assert notes["nginx.org/mergeable-ingress-type"] == "minion" and "tls" not in ingress["spec"]
+
+
+def test_the_ingresses_serve_one_host_with_tls_on_the_master(production) -> None:
+    master = one(production, "Ingress", "gateway")
+    assert master["metadata"]["annotations"]["nginx.org/mergeable-ingress-type"] == "master"
+    assert "http" not in master["spec"]["rules"][0]  # F5's master holds no paths
+    host = master["spec"]["rules"][0]["host"]
+    assert master["spec"]["tls"][0]["hosts"] == [host]
+    ingresses = [doc for doc in production if doc["kind"] == "Ingress"]
+    assert {doc["metadata"]["name"] for doc in ingresses} == {"gateway", *INGRESS_PATHS}
+    assert {doc["spec"]["rules"][0]["host"] for doc in ingresses} == {host}
 
 
 # -- network policies ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ gateway (SSE passes unbuffered, limits and errors answer in JSON)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import threading
@@ -17,6 +18,7 @@ import pytest
 
 from gateway.deploy import ToolError
 from gateway.deploy.nginx import NGINX_CONF, ensure_nginx, localize, nginx_test, write_local_conf
+from gateway.server.settings import GatewaySettings
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +70,17 @@ def test_production_config_balances_least_conn_and_keeps_streams_unbuffered() ->
         assert directive in text
 
 
+def test_only_file_uploads_take_bodies_up_to_the_gateways_file_limit() -> None:
+    text = NGINX_CONF.read_text()
+    sizes = re.findall(r"client_max_body_size (\d+)m;", text.split("# BEGIN optional triton-grpc")[0])
+    assert sizes == ["8", "201"]  # the http block's, then the one location's
+    location = text[text.index("location = /v1/files {") :].split("}", 1)[0]
+    files_limit = GatewaySettings.model_fields["max_file_bytes"].default + (1 << 20)  # the edge's, with the form
+    assert f"client_max_body_size {files_limit >> 20}m;" in location
+    assert GatewaySettings.model_fields["max_body_bytes"].default == 8 << 20
+    assert "proxy_pass http://gateways;" in location
+
+
 def test_localize_fails_loudly_when_nginx_conf_no_longer_matches(tmp_path: Path) -> None:
     changed = NGINX_CONF.read_text().replace("listen 80;", "listen 8080;")
     with pytest.raises(ToolError, match="listen 80"):
@@ -100,6 +113,18 @@ class _Gateway(BaseHTTPRequestHandler):
         self.wfile.write(b"id: 2\ndata: second\n\n")
         self.wfile.flush()
         self.close_connection = True
+
+    def do_POST(self) -> None:
+        """Reads the body and answers with its length."""
+        remaining = int(self.headers["Content-Length"])
+        while remaining:
+            remaining -= len(self.rfile.read(min(remaining, 1 << 20)))
+        body = b'{"received":%d}' % int(self.headers["Content-Length"])
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -170,6 +195,23 @@ def test_oversized_body_is_refused_with_json_413(nginx_bin: Path, tmp_path: Path
         response = httpx.post(f"{base}/infer", content=b"x" * (8 * 1024 * 1024 + 1), timeout=10)
         assert response.status_code == 413
         assert response.json()["error"]["code"] == "payload_too_large"
+
+
+def test_a_file_upload_over_8_mib_passes_and_one_over_the_file_limit_is_refused(
+    nginx_bin: Path, tmp_path: Path, gateway_stub: str
+) -> None:
+    with _running_nginx(nginx_bin, tmp_path, [gateway_stub]) as base:
+        size = 9 * 1024 * 1024 + 1
+        response = httpx.post(f"{base}/v1/files", content=b"x" * size, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json() == {"received": size}
+        # Over the file limit: refused on the declared length, before the body is sent.
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(f"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Length: {202 << 20}\r\n\r\n".encode())
+            head = sock.makefile("rb").read(4096).decode(errors="replace")
+        assert head.split()[1] == "413", head
+        assert '"file_too_large"' in head
 
 
 def test_unreachable_gateways_give_json_503_with_retry_after(nginx_bin: Path, tmp_path: Path) -> None:
