@@ -229,7 +229,7 @@ async def _drive(
 
     async def finish(job: Job) -> None:
         outputs = {"embedding": EMBEDDING} if phase == "embedding" else {"text_output": TEXT_500_TOKENS}
-        assert await jobs.finish(job.record(State.SUCCEEDED, outputs=outputs), attempt=job.attempts) is not None
+        assert await jobs.finish(job.record(State.SUCCEEDED, outputs=outputs), run=job.run) is not None
 
     async def lane(lane_index: int) -> None:
         tenant_index = lane_index
@@ -243,7 +243,7 @@ async def _drive(
         while left[0] > 0:
             left[0] -= 1
             started = time.perf_counter()
-            await jobs.emit(job.request_id, job.attempts, index, " word", 1, [index % 50000])
+            await jobs.emit(job.request_id, job.run, index, " word", 1, [index % 50000])
             latencies.append(time.perf_counter() - started)
             index += 1
 

@@ -86,7 +86,9 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             settings.mongo_url, tz_aware=True, serverSelectionTimeoutMS=timeout_ms, connectTimeoutMS=timeout_ms
         )
         store = ResultStore(mongo, settings.mongo_db, settings.result_retention_s)
-        queue = WebhookQueue(redis, lease_s=settings.webhook_lease_s)
+        queue = WebhookQueue(
+            redis, lease_s=settings.webhook_lease_s, shards=settings.redis_shards, keep_s=settings.webhook_keep_s
+        )
         archiver = Archiver(redis, store, queue, settings)
         partition = f"{settings.index_partition}/{settings.index_partitions}" if settings.index_partitions > 1 else ""
         index = VectorIndex(settings.faiss_dir, partition=partition)
@@ -108,6 +110,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
         sender = WebhookSender(
             queue,
             webhook_status,
+            records=store.get,
             secrets=TenantSecrets(
                 mongo[settings.mongo_db][TENANTS_COLLECTION],
                 settings.webhook_secrets,

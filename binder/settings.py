@@ -73,6 +73,10 @@ class BinderSettings(ServiceSettings):
     webhook_timeout_s: float = Field(default=15.0, gt=0)
     # How long a claimed delivery is ours before another sender may take it.
     webhook_lease_s: float = Field(default=60.0, gt=LEASE_MARGIN_S)
+    # A delivery's hash (its attempts log) stays in Redis this long once it is delivered or
+    # has ended for good, then expires; queuing the same delivery again meanwhile is a
+    # no-op (a result stored twice, within the results' redelivery, is not sent twice).
+    webhook_keep_s: float = Field(default=3600.0, ge=1)
     webhook_concurrency: int = Field(default=64, ge=1)
     # See the class docstring for the entry syntax.
     webhook_allowlist: CommaList = []

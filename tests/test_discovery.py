@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.protocol.records import replica_name
 from gateway.server.replicas import ReplicaPool
 from gateway.server.replicas.discovery import ReplicaDiscovery, dns_resolver
 from tests.conftest import AUTH
@@ -42,7 +43,7 @@ async def _replicas_used(client: httpx.AsyncClient, count: int, tag: str) -> set
     ids = await asyncio.gather(*(submit(client, llm_body(f"{tag} {i}", 8)) for i in range(count)))
     records = await wait_all(client, list(ids), timeout=60)
     assert {r["status"] for r in records} == {"succeeded"}, records
-    return {r["replica"] for r in records}
+    return {r["replica"] for r in records}  # replica_name() of each
 
 
 @pytest.fixture
@@ -72,15 +73,15 @@ async def test_a_replica_added_behind_the_name_is_used_and_a_removed_one_dropped
     try:
         async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=30) as client:
             await _until(lambda: _has_gauges(client, {first: 1.0}))
-            assert await _replicas_used(client, 6, "before") == {first}
+            assert await _replicas_used(client, 6, "before") == {replica_name(first)}
 
             hosts.write_text(f"{first}\n{second}\n")  # a pod joined the Service
             await _until(lambda: _has_gauges(client, {first: 1.0, second: 1.0}))
-            assert await _replicas_used(client, 16, "scaled out") == {first, second}
+            assert await _replicas_used(client, 16, "scaled out") == {replica_name(first), replica_name(second)}
 
             hosts.write_text(f"{first}\n")  # that pod left (it is still running)
             await _until(lambda: _has_gauges(client, {first: 1.0}))
-            assert await _replicas_used(client, 8, "scaled in") == {first}
+            assert await _replicas_used(client, 8, "scaled in") == {replica_name(first)}
         assert gateway.exit_code() is None, "the gateway restarted"
     finally:
         stack.stop(gateway)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from gateway.protocol import new_request_id
+from gateway.protocol.records import replica_name
 from gateway.server.settings import GatewaySettings
 from tests.gateway_calls import llm_body, submit, wait_result
 from tests.triton_requests import png_bytes
@@ -38,6 +39,14 @@ async def test_submit_answers_202_with_id_and_location_then_poll_gives_text(http
     assert record["status"] == "succeeded"
     assert isinstance(record["outputs"]["text_output"], str) and record["outputs"]["text_output"]
     assert record["replica"] and record["timings"]["total_ms"] > 0
+
+
+async def test_a_record_names_its_replica_without_its_address(http, stack) -> None:
+    submitted = await http.post("/infer", json=llm_body("Where did I run?", 4))
+    record = await wait_result(http, submitted.json()["request_id"])
+    host, port = stack.triton_grpc.rsplit(":", 1)
+    assert record["replica"] == record["route"]["replica"] == replica_name(stack.triton_grpc)
+    assert host not in json.dumps(record) and port not in json.dumps(record["route"])
 
 
 async def test_prefer_wait_returns_200_with_the_result(http) -> None:

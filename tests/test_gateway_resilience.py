@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
+from gateway.protocol.records import replica_name
 from gateway.stack.process import ManagedProcess
 from tests.conftest import AUTH, kill_by_pid
 from tests.gateway_calls import llm_body, read_events, submit, wait_all, wait_result
@@ -79,7 +80,10 @@ async def test_traffic_reaches_both_replicas(two_replicas) -> None:
         ids = await asyncio.gather(*(submit(client, llm_body(f"spread {i}", 30)) for i in range(20)))
         records = await wait_all(client, ids)
     assert {r["status"] for r in records} == {"succeeded"}
-    assert set(Counter(r["replica"] for r in records)) == {two_replicas["first"], two_replicas["second"]}
+    assert set(Counter(r["replica"] for r in records)) == {
+        replica_name(two_replicas["first"]),
+        replica_name(two_replicas["second"]),
+    }
 
 
 async def _has_both(client, replicas) -> bool:
@@ -99,7 +103,7 @@ async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(sta
 
         await _until(lambda: _only(client, two_replicas["first"]))
         after = await wait_all(client, [await submit(client, llm_body("live one", 8)) for _ in range(4)])
-        assert {(r["status"], r["replica"]) for r in after} == {("succeeded", two_replicas["first"])}
+        assert {(r["status"], r["replica"]) for r in after} == {("succeeded", replica_name(two_replicas["first"]))}
 
         second.start()  # same ports, same model repository
         second.wait_ready(time.monotonic() + 240)
@@ -107,7 +111,7 @@ async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(sta
         back = await wait_all(
             client, await asyncio.gather(*(submit(client, llm_body(f"back {i}", 30)) for i in range(12)))
         )
-        assert two_replicas["second"] in {r["replica"] for r in back}
+        assert replica_name(two_replicas["second"]) in {r["replica"] for r in back}
 
 
 async def _only(client, replica: str) -> bool:
@@ -148,7 +152,7 @@ async def _key_routed_to(client: httpx.AsyncClient, replica: str) -> str:
         key = f"resume-{attempt}"
         body = {"model": "llm_synthetic", "inputs": {"text_input": "which one?", "max_tokens": 2}}
         record = await wait_result(client, await submit(client, {**body, "parameters": {"prompt_cache_key": key}}))
-        if record["replica"] == replica:
+        if record["replica"] == replica_name(replica):
             return key
     raise AssertionError(f"no cache key was routed to {replica}")
 
@@ -178,7 +182,7 @@ async def test_a_structured_output_survives_a_replica_killed_mid_stream_as_valid
     await asyncio.to_thread(second.wait_ready, time.monotonic() + 240)
     for record, events in zip(records, streamed, strict=True):
         assert record["status"] == "succeeded", record
-        assert record["replica"] == two_replicas["first"]  # it moved
+        assert record["replica"] == replica_name(two_replicas["first"])  # it moved
         text = record["outputs"]["text_output"]
         jsonschema.validate(json.loads(text), WORDS)  # one whole document, not a part and a new one
         assert "".join(json.loads(e["data"])["text_output"] for e in events if e["event"] == "token") == text

@@ -1,24 +1,30 @@
 """The API key store on a MongoDB-wire server and a Redis of its own (no Triton, no
 gateway): what a gateway's key cache serves while MongoDB is down. A key verified before
 still works; a revoked key, here or on another gateway, does not come back; a flood of
-random keys does not push out the keys of real callers. One behaviour per test."""
+random keys does not push out the keys of real callers; a known key or tenant is answered
+at once while MongoDB hangs (the read goes on behind the callers), and callers of one key
+share one read. One behaviour per test."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, monitoring
 from pymongo.errors import PyMongoError
 
 from gateway.common.redis import RedisClients
 from gateway.protocol.redis_keys import KEYS_CHANNEL
 from gateway.server.tenants import keys
+from gateway.server.tenants.config import TenantLimits, TenantStore
 from gateway.server.tenants.keys import KeyStore, announcer, follow_key_changes
 from gateway.stack.process import ManagedProcess, free_port
 from gateway.stack.services import mongo_spec, redis_spec
@@ -43,12 +49,60 @@ class Mongo:
 
     process: ManagedProcess
     client: AsyncMongoClient
+    port: int
+
+    def client_with(self, listener: monitoring.CommandListener | None = None) -> AsyncMongoClient:
+        """Another client of the server, whose commands the listener sees; a read of a
+        server that hangs waits for it (a minute), as a gateway's does."""
+        return AsyncMongoClient(
+            f"mongodb://127.0.0.1:{self.port}",
+            tz_aware=True,
+            event_listeners=[listener] if listener else [],
+            serverSelectionTimeoutMS=500,
+            connectTimeoutMS=500,
+            socketTimeoutMS=60_000,
+        )
 
     def store(self, **options) -> KeyStore:
         return KeyStore(self.client, DATABASE, **options)
 
     def stop(self) -> None:
         self.process.stop()
+
+    @contextmanager
+    def hung(self) -> Iterator[None]:
+        """The server stopped with SIGSTOP: connected, it answers nothing (a MongoDB too busy
+        to answer); reads wait for it without end."""
+        assert self.process.pid is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.process.pid, signal.SIGCONT)
+
+
+class FindCounter(monitoring.CommandListener):
+    """Counts the `find` commands a client sends and those that ended (answered or failed),
+    through MongoDB's own command monitoring."""
+
+    def __init__(self, on_reply=None) -> None:
+        self.finds = 0
+        self.ended = 0
+        self.on_reply = on_reply
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "find":
+            self.finds += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        if event.command_name == "find":
+            self.ended += 1
+            if self.on_reply is not None:
+                self.on_reply()
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        if event.command_name == "find":
+            self.ended += 1
 
 
 @pytest.fixture
@@ -62,7 +116,7 @@ async def mongo_server(tmp_path: Path) -> AsyncIterator[Mongo]:
         f"mongodb://127.0.0.1:{port}", tz_aware=True, serverSelectionTimeoutMS=500, connectTimeoutMS=500
     )
     try:
-        yield Mongo(process, client)
+        yield Mongo(process, client, port)
     finally:
         await client.close()
         process.stop()
@@ -146,3 +200,91 @@ async def test_a_flood_of_random_keys_does_not_push_out_a_valid_one(
     with pytest.raises(PyMongoError):
         await store.verify(flood[0])
     assert await store.verify(flood[-1]) is None
+
+
+async def sent(counter: FindCounter, finds: int) -> None:
+    deadline = time.monotonic() + 10
+    while counter.finds < finds:
+        assert time.monotonic() < deadline, f"{finds} reads were never sent"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_known_key_verifies_at_once_while_mongodb_hangs(mongo_server: Mongo) -> None:
+    counter = FindCounter()
+    client = mongo_server.client_with(counter)
+    try:
+        store = KeyStore(client, DATABASE, cache_s=0)  # every verification is old enough to be read again
+        info, token = await store.create("tenant-a")
+        assert await verified(store, token) == info.key_id
+        with mongo_server.hung():
+            # Answered from the cache while the read that refreshes it still waits on MongoDB.
+            assert await verified(store, token) == info.key_id
+            await sent(counter, 2)  # the read behind it
+            for _ in range(3):
+                assert await verified(store, token) == info.key_id
+            assert counter.ended == 1, "the verifications waited for MongoDB"
+    finally:
+        await client.close()
+
+
+async def test_a_known_tenants_settings_are_answered_at_once_while_mongodb_hangs(mongo_server: Mongo) -> None:
+    counter = FindCounter()
+    client = mongo_server.client_with(counter)
+    try:
+        tenants = TenantStore(client, DATABASE, TenantLimits(), cache_s=0)
+        await tenants.update("tenant-a", {"weight": 3.0})
+        with mongo_server.hung():
+            assert (await tenants.get("tenant-a")).weight == 3.0
+            await sent(counter, 2)  # the read behind it
+            for _ in range(3):
+                assert (await tenants.get("tenant-a")).weight == 3.0
+            assert counter.ended == 1, "the reads of the settings waited for MongoDB"
+    finally:
+        await client.close()
+
+
+async def test_callers_of_one_key_share_one_read(mongo_server: Mongo) -> None:
+    counter = FindCounter()
+    client = mongo_server.client_with(counter)
+    try:
+        store = KeyStore(client, DATABASE, cache_s=600)
+        info, token = await store.create("tenant-a")
+        answers = await asyncio.gather(*(verified(store, token) for _ in range(20)))
+        assert answers == [info.key_id] * 20
+        assert counter.finds == 1
+    finally:
+        await client.close()
+
+
+async def test_a_known_key_is_read_again_behind_its_callers(mongo_server: Mongo) -> None:
+    store = mongo_server.store(cache_s=0)
+    info, token = await store.create("tenant-a")
+    assert await verified(store, token) == info.key_id
+    # Revoked in MongoDB without any announcement (a gateway that missed it): a read behind
+    # the callers finds it, and the key stops working.
+    await store.collection.update_one({"_id": info.key_id}, {"$set": {"revoked": True}})
+    deadline = time.monotonic() + 10
+    while await verified(store, token) is not None:
+        assert time.monotonic() < deadline, "the cached key was never read again"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_verification_in_flight_across_a_revocation_does_not_bring_the_key_back(mongo_server: Mongo) -> None:
+    stores: list[KeyStore] = []
+    # The revocation reaches the gateway between MongoDB's answer (the key still valid) and
+    # the end of the verification that asked for it.
+    counter = FindCounter(on_reply=lambda: stores[0].forget(info.key_id))
+    client = mongo_server.client_with(counter)
+    try:
+        admin = mongo_server.store(cache_s=0)
+        info, token = await admin.create("tenant-a")
+        stores.append(KeyStore(client, DATABASE, cache_s=600))
+        assert await verified(stores[0], token) == info.key_id  # valid when MongoDB answered
+        assert counter.finds == 1
+        await admin.revoke(info.key_id)
+        mongo_server.stop()
+        # Not cached: the next verification asks MongoDB (down), so the key is refused.
+        assert await verified(stores[0], token) is None
+        assert counter.finds == 2
+    finally:
+        await client.close()

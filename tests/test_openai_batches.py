@@ -5,15 +5,23 @@ and a batch whose gateway is killed is finished by another, each line exactly on
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import time
+import tracemalloc
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
 from gateway.common.result_store import RESULTS_COLLECTION
+from gateway.server.openai import batch_runner
+from gateway.server.openai.batch_runner import BatchRunner
+from gateway.server.openai.batches import BatchStore
+from gateway.server.openai.files import FileStore
+from gateway.server.settings import GatewaySettings
 from tests.conftest import AUTH, kill_by_pid
 from tests.test_tenants import ECHO, client_for, new_key, set_tenant
 
@@ -271,3 +279,123 @@ def test_a_file_over_the_limit_is_413(stack) -> None:
         assert response.json()["error"]["code"] in ("file_too_large", "payload_too_large")
     finally:
         stack.stop(process)
+
+
+# ---- expiry ----------------------------------------------------------------------------
+
+
+def test_an_uploaded_file_expires_after_the_retention_or_its_own_expires_after(client) -> None:
+    kept = client.files.create(file=("kept.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    assert kept.expires_at == kept.created_at + 30 * 24 * 3600  # FILE_RETENTION_S
+    assert client.files.retrieve(kept.id).expires_at == kept.expires_at
+    short = client.files.create(
+        file=("short.jsonl", io.BytesIO(b"{}\n")),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    assert short.expires_at == short.created_at + 7200
+    for wrong in ({"anchor": "created_at", "seconds": 60}, {"anchor": "last_active_at", "seconds": 7200}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="batch", expires_after=wrong)  # type: ignore[arg-type]
+        assert refused.value.code == "invalid_expires_after"
+
+
+async def test_an_expired_file_is_404_at_once_and_swept_out_of_gridfs(stack, mongo) -> None:
+    process, url = stack.start_gateway("gateway-file-sweep", FILE_SWEEP_INTERVAL_S="0.2")
+    try:
+        async with httpx.AsyncClient(base_url=f"{url}/v1", headers=AUTH, timeout=30) as client:
+            content = b"x" * (600 * 1024)  # several GridFS chunks (255 KiB each)
+            ids = []
+            for name in ("expiring.jsonl", "lasting.jsonl"):
+                created = await client.post("/files", files={"file": (name, content)}, data={"purpose": "batch"})
+                assert created.status_code == 200, created.text
+                ids.append(created.json()["id"])
+            expiring, lasting = ids
+            db = mongo[MONGO_DB]
+            # Its expiry reached (a test cannot wait out the shortest expires_after, an hour).
+            # The whole metadata is set: nx-27017 sets no dotted field in GridFS's documents.
+            stored = await db["files.files"].find_one({"_id": expiring})
+            metadata = {**stored["metadata"], "expires_at": int(time.time()) - 1}
+            assert (
+                await db["files.files"].update_one({"_id": expiring}, {"$set": {"metadata": metadata}})
+            ).modified_count
+            assert (await client.get(f"/files/{expiring}")).status_code == 404
+            assert (await client.get(f"/files/{expiring}/content")).status_code == 404
+            assert expiring not in {f["id"] for f in (await client.get("/files")).json()["data"]}
+
+            async def chunks(file_id: str) -> int:
+                return len([c async for c in db["files.chunks"].find({"files_id": file_id}, {"_id": 1})])
+
+            deadline = time.monotonic() + 30
+            while await db["files.files"].find_one({"_id": expiring}) is not None or await chunks(expiring):
+                assert time.monotonic() < deadline, "the expired file is still in GridFS"
+                await asyncio.sleep(0.1)
+            assert await chunks(lasting) == 3
+            assert (await client.get(f"/files/{lasting}/content")).content == content
+            await client.delete(f"/files/{lasting}")
+    finally:
+        stack.stop(process)
+
+
+# ---- validation streams the input file -------------------------------------------------
+
+
+async def test_validation_reads_the_input_file_line_by_line_not_whole(stack, mongo, monkeypatch) -> None:
+    database = f"batch_validation_{time.time_ns()}"
+    files = FileStore(mongo, database)
+    svc = SimpleNamespace(settings=GatewaySettings(), files=files)
+    runner = BatchRunner(svc, BatchStore(mongo, database))  # type: ignore[arg-type]
+    # What each line's body becomes is not what this measures (no registry here).
+    monkeypatch.setattr(batch_runner, "native_requests", lambda *args, **kwargs: [])
+    line = chat_line("x", "y" * 4000)
+    content = jsonl([{**line, "custom_id": f"line-{i}"} for i in range(1500)])  # ~6 MiB
+    stored = await files.put("tenant-v", "big.jsonl", "batch", content)
+    batch = {
+        "_id": f"batch_{time.time_ns()}",
+        "tenant": "tenant-v",
+        "endpoint": "/v1/chat/completions",
+        "input_file_id": stored["id"],
+        "status": "validating",
+        "lease_owner": runner.name,
+        "lease_until": time.time() + 60,
+    }
+    await runner.store.batches.insert_one(batch)
+    tracemalloc.start()
+    try:
+        validated = await runner.validate(batch)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    try:
+        assert validated["status"] == "in_progress", validated
+        assert validated["request_counts"]["total"] == 1500
+        # Held whole (bytes, text, lines) it would be three times the file; streamed, it is a
+        # chunk, a line and one bulk write of lines.
+        assert peak < len(content) / 2, f"validation held {peak} bytes for a {len(content)}-byte file"
+    finally:
+        await mongo.drop_database(database)
+
+
+async def test_a_file_that_is_not_utf8_fails_its_batch_and_leaves_no_lines(stack, mongo, monkeypatch) -> None:
+    database = f"batch_validation_{time.time_ns()}"
+    files = FileStore(mongo, database)
+    runner = BatchRunner(SimpleNamespace(settings=GatewaySettings(), files=files), BatchStore(mongo, database))  # type: ignore[arg-type]
+    monkeypatch.setattr(batch_runner, "native_requests", lambda *args, **kwargs: [])
+    announced = []
+
+    async def announce(batch, ending: str) -> None:
+        announced.append(ending)
+
+    monkeypatch.setattr(runner, "_announce", announce)
+    good = jsonl([{**chat_line(f"c{i}", "hi"), "custom_id": f"c{i}"} for i in range(600)])
+    stored = await files.put("tenant-v", "bad.jsonl", "batch", good + b'{"custom_id": "\xff"}\n')
+    batch = {"_id": f"batch_{time.time_ns()}", "tenant": "tenant-v", "endpoint": "/v1/chat/completions"}
+    batch |= {"input_file_id": stored["id"], "status": "validating", "lease_owner": runner.name, "lease_until": 0.0}
+    await runner.store.batches.insert_one(batch)
+    try:
+        failed = await runner.validate(batch)
+        assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "invalid_file"
+        assert announced == ["failed"]
+        assert await runner.store.lines.find_one({"batch": batch["_id"]}) is None
+    finally:
+        await mongo.drop_database(database)

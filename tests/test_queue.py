@@ -86,7 +86,14 @@ async def take_all(store: JobStore, model: str = "m", consumer: str = "c1") -> l
 
 
 async def finish(store: JobStore, job: Job, status: State = State.SUCCEEDED) -> None:
-    assert isinstance(await store.finish(job.record(status), attempt=job.attempts), str)
+    assert isinstance(await store.finish(job.record(status), run=job.run), str)
+
+
+async def run_of(store: JobStore, request_id: str) -> str:
+    """The token of the request's current run (its fence)."""
+    job = await store.load(request_id)
+    assert job is not None and job.run
+    return job.run
 
 
 # -- fair order ---------------------------------------------------------------------------
@@ -288,9 +295,11 @@ async def test_the_redis_client_retries_connection_errors_and_timeouts_with_the_
         await client.aclose()
 
 
-async def test_a_replayed_start_at_once_starts_nothing_more(store: JobStore) -> None:
+async def test_a_replayed_start_at_once_starts_nothing_more(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
     now = time.time()
     new = NewRequest(new_request_id(now), {"inputs": {}}, now, now + 60)
+    # Each submit() draws a run token; the client resends the very same call (same token).
+    monkeypatch.setattr(jobs, "secrets", SimpleNamespace(token_hex=lambda nbytes: "lost-reply"))
     for _ in range(2):  # the same SUBMIT again, as the client resends it after a lost reply
         submitted = await store.submit([new], model="m", tenant="t", band="normal", admission=OPEN, start_as="c1")
         assert submitted.outcome == "started"
@@ -324,6 +333,37 @@ async def test_a_dispatchers_last_take_is_not_kept_forever(store: JobStore) -> N
     assert 0 < await store.redis.ttl(f"{SHARD.prefix}take:c1") <= TAKE_TOKEN_TTL_S
 
 
+async def _writes(store: JobStore) -> int:
+    """Writes the Redis has made (each one replicated): its changes since the last save."""
+    return int((await store.redis.info("persistence"))["rdb_changes_since_last_save"])
+
+
+async def test_a_replayed_submit_or_finish_writes_so_that_the_wait_after_it_covers_what_it_found(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # WAIT counts only the writes of its own connection: a replay on a new connection that
+    # wrote nothing would be confirmed at once, whether or not a replica holds what it found.
+    monkeypatch.setattr(jobs, "secrets", SimpleNamespace(token_hex=lambda nbytes: "lost-reply"))
+    now = time.time()
+    new = NewRequest(new_request_id(now), {"inputs": {}}, now, now + 60, idempotency=("key", "hash"))
+    kwargs: dict = {"model": "m", "tenant": "t", "band": "normal", "admission": OPEN, "start_as": "c1"}
+    assert (await store.submit([new], **kwargs)).outcome == "started"
+    before = await _writes(store)
+    assert (await store.submit([new], **kwargs)).outcome == "started"  # the same call, replayed
+    assert await _writes(store) > before
+    other = NewRequest(new_request_id(now), {"inputs": {}}, now, now + 60, idempotency=("key", "hash"))
+    before = await _writes(store)
+    assert (await store.submit([other], **kwargs)).outcome == "existing"  # answered with the first
+    assert await _writes(store) > before
+    job = await store.load(new.request_id)
+    assert job is not None
+    record = job.record(State.SUCCEEDED)
+    assert isinstance(await store.finish(record, run=job.run), str)
+    before = await _writes(store)
+    assert await store.finish(record, run=job.run) is None  # the same finish, replayed
+    assert await _writes(store) > before
+
+
 # -- leases, reclaim, hand-over -------------------------------------------------------------------
 
 
@@ -335,25 +375,71 @@ async def test_a_run_whose_lease_ran_out_starts_again_first_as_a_new_attempt(sto
     assert await store.reclaim(SHARD) == 1
     again = await store.take(SHARD, "m", "alive")
     assert isinstance(again, Job) and again.request_id == job.request_id and again.attempts == 2
-    assert await store.renew(SHARD, "dead", [(job.request_id, 1)]) == [0]  # the old run is stale
+    assert await store.renew(SHARD, "dead", [(job.request_id, job.run)]) == [0]  # the old run is stale
 
 
 async def test_handed_over_runs_start_again_at_once(store: JobStore) -> None:
     await queue(store, "t", 1)
     job = await store.take(SHARD, "m", "stopping")
     assert isinstance(job, Job)
-    assert await store.handover("stopping", [job.request_id]) == 1
+    assert await store.handover("stopping", [(job.request_id, job.run)]) == 1
     again = await store.take(SHARD, "m", "other")
     assert isinstance(again, Job) and again.request_id == job.request_id
+
+
+async def test_a_take_lost_in_a_failover_reuses_the_attempt_number_but_fences_the_old_run_out(
+    store: JobStore,
+) -> None:
+    await queue(store, "t", 1)
+    first = await store.take(SHARD, "m", "a")
+    assert isinstance(first, Job)
+    request_id, request = first.request_id, SHARD.request(first.request_id)
+    await store.redis.zadd(SHARD.leases, {request_id: 0})  # a's lease ran out
+    assert await store.reclaim(SHARD) == 1
+    lost = await store.take(SHARD, "m", "b")
+    assert isinstance(lost, Job) and lost.attempts == 2
+    # A failover loses b's TAKE: the promoted replica holds the request as it was before it
+    # (attempts 1, a's run, no owner, first in line). b runs on, unaware.
+    await store.redis.hset(request, mapping={"attempts": 1, "run": first.run})
+    await store.redis.hdel(request, "owner")
+    await store.redis.zrem(SHARD.leases, request_id)
+    await store.redis.rpush(SHARD.reclaimed("m"), request_id)
+    again = await store.take(SHARD, "m", "c")
+    assert isinstance(again, Job) and again.request_id == request_id
+    assert again.attempts == lost.attempts == 2  # the attempt number is handed out twice
+    assert again.run != lost.run  # the fence never is
+    # b, the run whose TAKE was lost, can neither publish, keep, hand on nor finish it.
+    assert (await store.emit(request_id, lost.run, 0, "x", 1, [])).outcome == "stale"
+    assert await store.renew(SHARD, "b", [(request_id, lost.run)]) == [0]
+    assert await store.handover("b", [(request_id, lost.run)]) == 0
+    assert await store.finish(lost.record(State.SUCCEEDED), run=lost.run) is None
+    # c, the current run, can.
+    assert (await store.emit(request_id, again.run, 0, "y", 1, [])).outcome == "ok"
+    await finish(store, again)
+
+
+async def test_hand_overs_do_not_count_as_deliveries(store: JobStore) -> None:
+    await queue(store, "t", 1)
+    for i in range(5):  # five rolling deploys, each draining gateway passing the run on
+        job = await store.take(SHARD, "m", f"draining-{i}")
+        assert isinstance(job, Job) and job.deliveries == 1
+        assert await store.handover(f"draining-{i}", [(job.request_id, job.run)]) == 1
+    job = await store.take(SHARD, "m", "last")
+    assert isinstance(job, Job) and job.attempts == 6 and job.handovers == 5 and job.deliveries == 1
+    # A run that died (its lease ran out) is a delivery that failed: it counts.
+    await store.redis.zadd(SHARD.leases, {job.request_id: 0})
+    assert await store.reclaim(SHARD) == 1
+    again = await store.take(SHARD, "m", "heir")
+    assert isinstance(again, Job) and again.attempts == 7 and again.deliveries == 2
 
 
 async def test_renewing_keeps_a_run_and_reports_a_cancel(store: JobStore) -> None:
     await queue(store, "t", 1)
     job = await store.take(SHARD, "m", "c1")
     assert isinstance(job, Job)
-    assert await store.renew(SHARD, "c1", [(job.request_id, 1)]) == [1]
+    assert await store.renew(SHARD, "c1", [(job.request_id, job.run)]) == [1]
     await store.cancel(job.request_id)
-    assert await store.renew(SHARD, "c1", [(job.request_id, 1)]) == [2]
+    assert await store.renew(SHARD, "c1", [(job.request_id, job.run)]) == [2]
 
 
 # -- token events --------------------------------------------------------------------------------
@@ -361,35 +447,38 @@ async def test_renewing_keeps_a_run_and_reports_a_cancel(store: JobStore) -> Non
 
 async def test_a_replayed_emit_adds_nothing(store: JobStore) -> None:
     _, (request_id,) = await queue(store, "t", 1, start_as="c1")
-    assert (await store.emit(request_id, 1, 0, "Hello", 1, [7])).outcome == "ok"
-    replay = await store.emit(request_id, 1, 0, "Hello", 1, [7])
+    run = await run_of(store, request_id)
+    assert (await store.emit(request_id, run, 0, "Hello", 1, [7])).outcome == "ok"
+    replay = await store.emit(request_id, run, 0, "Hello", 1, [7])
     assert replay.outcome == "ok" and replay.event_id == ""
     assert await store.redis.xlen(SHARD.events(request_id)) == 3  # queued, running, one token
 
 
 async def test_an_emit_past_the_stream_end_reports_the_gap(store: JobStore) -> None:
     _, (request_id,) = await queue(store, "t", 1, start_as="c1")
-    reply = await store.emit(request_id, 1, 4, "late", 1, [])
+    reply = await store.emit(request_id, await run_of(store, request_id), 4, "late", 1, [])
     assert reply.outcome == "gap" and reply.emitted == 0
 
 
 async def test_finish_refuses_a_stream_that_lost_pieces(store: JobStore) -> None:
     _, (request_id,) = await queue(store, "t", 1, start_as="c1")
-    await store.emit(request_id, 1, 0, "a", 1, [])
+    run = await run_of(store, request_id)
+    await store.emit(request_id, run, 0, "a", 1, [])
     job = await store.load(request_id)
     assert job is not None
-    assert await store.finish(job.record(State.SUCCEEDED), attempt=1, emitted=3) == 1
-    await store.emit(request_id, 1, 1, "bc", 2, [])
-    assert isinstance(await store.finish(job.record(State.SUCCEEDED), attempt=1, emitted=3), str)
+    assert await store.finish(job.record(State.SUCCEEDED), run=run, emitted=3) == 1
+    await store.emit(request_id, run, 1, "bc", 2, [])
+    assert isinstance(await store.finish(job.record(State.SUCCEEDED), run=run, emitted=3), str)
 
 
 async def test_a_stale_run_can_neither_emit_nor_finish(store: JobStore) -> None:
     _, (request_id,) = await queue(store, "t", 1, start_as="c1")
-    await store.handover("c1", [request_id])
+    first = await run_of(store, request_id)
+    await store.handover("c1", [(request_id, first)])
     job = await store.take(SHARD, "m", "c2")
     assert isinstance(job, Job) and job.attempts == 2
-    assert (await store.emit(request_id, 1, 0, "x", 1, [])).outcome == "stale"
-    assert await store.finish(job.record(State.SUCCEEDED), attempt=1) is None
+    assert (await store.emit(request_id, first, 0, "x", 1, [])).outcome == "stale"
+    assert await store.finish(job.record(State.SUCCEEDED), run=first) is None
 
 
 # -- what is left ------------------------------------------------------------------------------------
@@ -454,7 +543,8 @@ async def test_pieces_written_again_keep_their_events_boundaries(store: JobStore
     from gateway.server.models import Piece
 
     _, (request_id,) = await queue(store, "t", 1, start_as="c1")
-    emitter = TokenEmitter(TokenRelay(store, window_s=0), request_id, 1, first_index=0, on_cancel=lambda: None)
+    run = await run_of(store, request_id)
+    emitter = TokenEmitter(TokenRelay(store, window_s=0), request_id, run, first_index=0, on_cancel=lambda: None)
     for texts in (["a", "b"], ["c", "d", "e"], ["f"]):
         await emitter.add([Piece(t) for t in texts])
         await emitter.settle()  # (each add its own event: written behind the run otherwise)
@@ -473,7 +563,8 @@ async def test_pieces_added_while_an_event_is_written_go_in_the_next_event(store
     from gateway.server.models import Piece
 
     _, (request_id,) = await queue(store, "t", 1, start_as="c1")
-    emitter = TokenEmitter(TokenRelay(store, window_s=0.05), request_id, 1, first_index=0, on_cancel=lambda: None)
+    run = await run_of(store, request_id)
+    emitter = TokenEmitter(TokenRelay(store, window_s=0.05), request_id, run, first_index=0, on_cancel=lambda: None)
     for text in "abcdef":  # as fast as a replica's responses come: adding never waits for Redis
         await emitter.add([Piece(text)])
         await asyncio.sleep(0)  # (the run awaiting its next response)

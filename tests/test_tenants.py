@@ -408,6 +408,51 @@ async def test_a_flooding_tenant_neither_delays_a_light_one_nor_wastes_capacity(
     assert flood_s < 60 * 0.4 / 3 * 1.6
 
 
+@pytest.fixture
+def engine_gateway(stack):
+    """A gateway with the default 32 slots a model, on its own Redis database: more than
+    the local LLM engine runs at once (8 on a CPU)."""
+    process, url = stack.start_gateway("gateway-engine-fair", REDIS_URL=stack.redis_db_url(45))
+    yield url
+    stack.stop(process)
+
+
+def engine_capacity(stack, model: str) -> int:
+    """What the engine reports it runs at once (TensorRT-LLM's request_type="max")."""
+    text = httpx.get(f"http://127.0.0.1:{stack.s.triton_metrics_port}/metrics", timeout=10).text
+    for line in text.splitlines():
+        labels = ('request_type="max"', f'model="{model}"')
+        if line.startswith("nv_trt_llm_request_metrics{") and all(label in line for label in labels):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"{model} reports no capacity")
+
+
+async def test_a_light_tenants_llm_request_waits_behind_at_most_what_the_engine_runs(stack, engine_gateway) -> None:
+    capacity = engine_capacity(stack, "llm_engine")
+    assert capacity < 32  # the gateway's own slots would let a flood fill the engine's queue
+    body = {"model": "llm", "inputs": {"text_input": "a flood of work", "max_tokens": 256}}
+    short = {"model": "llm", "inputs": {"text_input": "a light request", "max_tokens": 16}}
+    queue = aioredis.Redis.from_url(stack.redis_db_url(45), decode_responses=True)
+    async with (
+        client_for(stack, await new_key(stack, "tenant-engine-flood"), engine_gateway) as a,
+        client_for(stack, await new_key(stack, "tenant-engine-light"), engine_gateway) as b,
+    ):
+        flood = await asyncio.gather(*(submit(a, body) for _ in range(8 * capacity)))
+        deadline = time.monotonic() + 60
+        while await waiting(queue, "tenant-engine-flood") < 2 * capacity:  # a backlog waits
+            assert time.monotonic() < deadline, "the flood never queued"
+            await asyncio.sleep(0.02)
+        light = await wait_result(b, await submit(b, short), timeout=300)
+        records = await asyncio.gather(*(wait_result(a, rid, timeout=300) for rid in flood))
+    await queue.aclose()
+    assert light["status"] == "succeeded" and {r["status"] for r in records} == {"succeeded"}
+    ahead = sum(1 for r in records if r["finished_at"] < light["finished_at"])
+    # The gateway keeps no more in the engine than it runs, so the light request is next when
+    # one of them ends and shares the engine with the rest: about `capacity` end before it.
+    # (With the engine's queue filled to the gateway's 32 slots, ~32 did, in FIFO order.)
+    assert ahead <= 2 * capacity, f"{ahead} of the flood's requests ended before the light tenant's"
+
+
 # -- admission and quotas -----------------------------------------------------------------------
 
 

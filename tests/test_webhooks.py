@@ -1,6 +1,8 @@
 """Signed webhooks, sent by the binder to a real local HTTP receiver: signed with the
 tenant's own secrets (all of them, for rotation) or the deployment's; retried, guarded;
-replayed on request, a few times a minute per tenant."""
+replayed on request, a few times a minute per tenant. Deliveries in Redis refer to the
+stored record (the body is made from it when sent), spread over the shards, and expire
+once they have ended."""
 
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ from binder.webhooks import AddressGuard, Refused, sign
 from binder.webhooks.secrets import SecretsUnavailable, TenantSecrets
 from binder.webhooks.sender import retry_at
 from gateway.common.result_store import RESULTS_COLLECTION
+from gateway.common.webhooks import enqueue_delivery
+from gateway.protocol import new_request_id
 from gateway.protocol.records import TENANTS_COLLECTION
-from gateway.protocol.redis_keys import WEBHOOK_DUE, webhook_key
+from gateway.protocol.redis_keys import all_shards, shard_for_tenant, webhook_slot
 from gateway.stack.process import LaunchError, free_port
 from tests.conftest import AUTH, WEBHOOK_SECRET
 from tests.gateway_calls import submit, wait_result
@@ -619,13 +623,14 @@ def test_an_invalid_signing_secret_stops_the_binder_at_start_with_one_line(stack
     ]
 
 
-async def _due_after_first_attempt(redis, delivery_id: str, timeout: float = 20) -> float:
-    """The next attempt's due time, once the first attempt is saved."""
+async def _due_after_first_attempt(redis, delivery_id: str, tenant: str, timeout: float = 20) -> float:
+    """The next attempt's due time, once the first attempt is saved (a binder of one shard)."""
+    slot = webhook_slot(tenant, 1)
     deadline = time.monotonic() + timeout
-    while await redis.hget(webhook_key(delivery_id), "attempts") != "1":
+    while await redis.hget(slot.delivery(delivery_id), "attempts") != "1":
         assert time.monotonic() < deadline, "the first attempt was not saved in time"
         await asyncio.sleep(0.1)
-    due = await redis.zscore(WEBHOOK_DUE, delivery_id)
+    due = await redis.zscore(slot.due, delivery_id)
     assert due is not None, "no retry was scheduled"
     return due
 
@@ -640,7 +645,7 @@ async def test_a_receivers_retry_after_of_days_gets_the_retry_at_the_cap(stack, 
     try:
         record = text_record(webhook=receiver.url(path))
         await publish(redis, [record])
-        due = await _due_after_first_attempt(redis, f"{record.request_id}:completed")
+        due = await _due_after_first_attempt(redis, f"{record.request_id}:completed", record.tenant)
         [call] = receiver.to(path)
         assert call.at + 29 <= due <= call.at + 31  # the Retry-After honoured up to the cap, not 11 days
     finally:
@@ -678,3 +683,170 @@ def test_a_retry_after_longer_than_the_cap_counts_as_the_cap() -> None:
 def test_a_retry_after_never_moves_an_attempt_past_the_deliverys_expiry() -> None:
     assert retry_at(1000.0, 5.0, 3000.0, cap_s=3600, expires_at=2000.0) == 2000.0
     assert retry_at(2000.0, 5.0, None, cap_s=3600, expires_at=2000.0) is None  # expired: no attempt left
+
+
+# -- deliveries in Redis: references, spread over the shards, expiring once ended (one
+# binder of SHARDS shards, on Redis and MongoDB databases of its own)
+
+SHARDS = 4
+
+
+@dataclass
+class ShardedBinder:
+    redis: aioredis.Redis
+    database: str  # its MongoDB database
+
+
+@pytest_asyncio.fixture(scope="module")
+async def sharded(stack) -> AsyncIterator[ShardedBinder]:
+    """A binder over SHARDS shards whose ended deliveries stay in Redis one second."""
+    number = next(_databases)
+    env = {"REDIS_URL": stack.redis_db_url(number), "MONGO_DB": f"webhooks_sharded_{number}_{time.time_ns()}"}
+    process, _ = stack.start_binder("binder-sharded-webhooks", REDIS_SHARDS=str(SHARDS), WEBHOOK_KEEP_S="1", **env)
+    redis = aioredis.from_url(env["REDIS_URL"], decode_responses=True)
+    try:
+        yield ShardedBinder(redis, env["MONGO_DB"])
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+async def _delivery_keys(redis, request_id: str) -> list[str]:
+    """The Redis keys of the request's webhook deliveries, wherever they are."""
+    return [key async for key in redis.scan_iter(match=f"*delivery:{request_id}:*", count=1000)]
+
+
+async def _delivery_key(redis, request_id: str, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while not (keys := await _delivery_keys(redis, request_id)):
+        assert time.monotonic() < deadline, f"no delivery of {request_id} in Redis"
+        await asyncio.sleep(0.05)
+    [key] = keys
+    return key
+
+
+async def _gone_from_redis(redis, request_id: str, timeout: float = 10) -> None:
+    """Wait until no delivery of the request is left in Redis: no hash, no place in a due set."""
+    deadline = time.monotonic() + timeout
+    while True:
+        keys = await _delivery_keys(redis, request_id)
+        due = [
+            member
+            for slot in (shard.webhooks for shard in all_shards(SHARDS))
+            for member in await redis.zrange(slot.due, 0, -1)
+            if member.startswith(request_id)
+        ]
+        if not keys and not due:
+            return
+        ttls = {key: await redis.ttl(key) for key in keys}
+        assert time.monotonic() < deadline, f"still in Redis: {ttls} (seconds to live), due {due}"
+        await asyncio.sleep(0.1)
+
+
+def _a_tenant_per_shard(shards: int) -> list[str]:
+    found: dict[int, str] = {}
+    for number in itertools.count():
+        tenant = f"spread-{number}"
+        found.setdefault(shard_for_tenant(tenant, shards), tenant)
+        if len(found) == shards:
+            return [found[shard] for shard in range(shards)]
+    raise AssertionError("unreachable")
+
+
+async def test_a_delivery_holds_a_reference_not_the_record(sharded, receiver) -> None:
+    path = _path("reference")
+    receiver.holds[path] = asyncio.Event()
+    record = text_record("x" * 9000, webhook=receiver.url(path))  # a 9 KB record
+    try:
+        await publish(sharded.redis, [record])
+        await _calls(receiver, path, 1, timeout=20)  # being sent: the delivery is in Redis
+        key = await _delivery_key(sharded.redis, record.request_id)
+        delivery = await sharded.redis.hgetall(key)
+        size = await sharded.redis.memory_usage(key)
+    finally:
+        receiver.holds[path].set()
+    assert delivery["request_id"] == record.request_id
+    assert "payload" not in delivery
+    assert not any("x" * 100 in value for value in delivery.values())
+    assert size is not None and size < 1024, size
+
+
+async def test_a_webhook_is_made_of_the_stored_record_and_signed(sharded, mongo, receiver) -> None:
+    path = _path("stored-body")
+    record = text_record("the stored text", webhook=receiver.url(path))
+    await publish(sharded.redis, [record])
+    document = await _stored_webhook(mongo, sharded.database, record.request_id, {"delivered"})
+    [call] = receiver.to(path)
+    payload = Webhook(WEBHOOK_SECRET).verify(call.body, call.headers)
+    assert payload["type"] == "request.completed"
+    assert call.headers["webhook-id"].startswith("msg_")
+    data = payload["data"]
+    assert data["request_id"] == record.request_id
+    assert data["outputs"] == {"text_output": "the stored text"}
+    # The record as MongoDB holds it (stored, with its expiry), not the results stream's copy.
+    assert data["stored"] is True
+    assert abs(datetime.fromisoformat(data["expires_at"]) - document["expires_at"]).total_seconds() < 1
+    assert "webhook_status" not in data and "webhook_attempts" not in data
+
+
+async def test_a_delivery_whose_record_is_not_stored_is_not_sent(sharded, receiver) -> None:
+    path = _path("not-stored")
+    request_id = new_request_id()  # never stored
+    delivery_id = f"{request_id}:completed"
+    queued = await enqueue_delivery(
+        sharded.redis,
+        shards=SHARDS,
+        delivery_id=delivery_id,
+        request_id=request_id,
+        url=receiver.url(path),
+        event="completed",
+        payload="",  # a reference to the stored record
+        webhook_id="msg_not_stored",
+        tenant="default",
+    )
+    assert queued
+    key = webhook_slot("default", SHARDS).delivery(delivery_id)
+    deadline = time.monotonic() + 20
+    while await sharded.redis.hget(key, "attempts") in (None, "0"):
+        assert time.monotonic() < deadline, "no attempt was made"
+        await asyncio.sleep(0.05)
+    first = json.loads(await sharded.redis.hget(key, "log"))[0]
+    assert first["error"] == f"no stored result {request_id} to send"
+    assert receiver.to(path) == []
+
+
+async def test_a_delivered_webhook_expires_from_redis(sharded, mongo, receiver) -> None:
+    path = _path("expires")
+    record = text_record(webhook=receiver.url(path))
+    await publish(sharded.redis, [record])
+    await _stored_webhook(mongo, sharded.database, record.request_id, {"delivered"})
+    await _gone_from_redis(sharded.redis, record.request_id)  # WEBHOOK_KEEP_S=1
+    assert len(receiver.to(path)) == 1
+
+
+async def test_a_webhook_out_of_attempts_expires_from_redis(sharded, mongo, receiver) -> None:
+    path = _path("dead")
+    receiver.responses[path] = [(500, {})] * 10  # more than the schedule's attempts
+    record = text_record(webhook=receiver.url(path))
+    await publish(sharded.redis, [record])
+    document = await _stored_webhook(mongo, sharded.database, record.request_id, {"failed"})
+    await _gone_from_redis(sharded.redis, record.request_id)
+    assert len(receiver.to(path)) == len(document["webhook_attempts"])
+
+
+async def test_deliveries_spread_over_the_shards_and_the_senders_claim_from_each(sharded, mongo, receiver) -> None:
+    path = _path("spread")
+    receiver.holds[path] = asyncio.Event()
+    records = [
+        text_record(webhook=receiver.url(path)).model_copy(update={"tenant": tenant})
+        for tenant in _a_tenant_per_shard(SHARDS)
+    ]
+    try:
+        await publish(sharded.redis, records)
+        keys = [await _delivery_key(sharded.redis, record.request_id) for record in records]
+        await _calls(receiver, path, len(records), timeout=20)  # each shard's delivery claimed and sent
+    finally:
+        receiver.holds[path].set()
+    assert sorted(key.split(":", 1)[0] for key in keys) == [f"{{s{shard}}}" for shard in range(SHARDS)]
+    for record in records:
+        await _stored_webhook(mongo, sharded.database, record.request_id, {"delivered"})

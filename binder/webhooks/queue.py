@@ -1,13 +1,30 @@
-"""The webhook delivery queue in Redis, all in the `{wh}` slot. A delivery is a hash
-`{wh}:delivery:<id>` plus a place in the `{wh}:due` sorted set (scored by its next
-attempt) while it has attempts to come. Senders claim due deliveries with a lease, so a
-sender that dies loses nothing: the lease runs out and another sender takes them. An
-attempt must end inside its lease (the sender gives each one a deadline), or the lease
-runs out mid-attempt and the delivery is sent twice.
+"""The webhook delivery queue in Redis, spread over the shards: a tenant's deliveries live
+in its shard, beside its requests (`{sN}:wh:…`, gateway.protocol.redis_keys). A delivery
+is a hash `{sN}:wh:delivery:<id>` plus a place in the shard's `{sN}:wh:due` sorted set
+(scored by its next attempt) while it has attempts to come. Senders claim due deliveries
+from every shard with a lease, so a sender that dies loses nothing: the lease runs out and
+another sender takes them. An attempt must end inside its lease (the sender gives each
+one a deadline), or the lease runs out mid-attempt and the delivery is sent twice. A shard
+where nothing was due is asked again after a backoff (up to IDLE_POLL_MAX_S, or sooner
+when its next delivery falls due), and at once after this process queued one there.
+
+A delivery refers to what it sends instead of holding it: a request's webhook names the
+request and its event, and the sender makes the body from the result record as MongoDB
+holds it when it sends (request_payload). Deliveries are queued only once the record is
+stored (the archiver stores, then queues; a replay starts from the stored record), and a
+record the sender cannot read is an attempt that failed and is retried, never a body
+sent without it. Only the thin OpenAI-style events below are held as they are.
+
+Once delivered, or ended for good (gone, refused, out of attempts), a delivery's hash
+stays WEBHOOK_KEEP_S (its attempts log, for looking into it; a request's is also in its
+MongoDB document) and then expires; queuing the same delivery again meanwhile is a no-op.
 
 Replays (asked for through the API) are limited per tenant, in a fixed window
-(`{wh}:replays:<tenant>`), and a request has at most one replay pending:
-`{wh}:replaying:<request id>` names its last replay, pending while it is still due.
+(`{sN}:wh:replays:<tenant>`), and a request has at most one replay pending:
+`{sN}:wh:replaying:<request id>` names its last replay, pending while it is still due.
+
+Deliveries queued before they moved into the shards (`{wh}:…`, where each held its whole
+payload) are still claimed and sent from there.
 
 A background response of the OpenAI API (a record with metadata api=responses and
 background=true) that ends also gets an OpenAI-style event for its tenant's OpenAI webhook
@@ -21,6 +38,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,39 +47,71 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from gateway.common.redis import REDIS_OUTAGE
 from gateway.common.webhooks import ENQUEUE, TENANT_ENDPOINT, openai_event
 from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.records import DEFAULT_TENANT
-from gateway.protocol.redis_keys import WEBHOOK_DUE, webhook_key, webhook_replays_key
+from gateway.protocol.redis_keys import LEGACY_WEBHOOKS, WebhookSlot, all_shards, webhook_slot
+
+log = logging.getLogger(__name__)
 
 # Time kept at the end of a lease for recording the attempt's outcome.
 LEASE_MARGIN_S = 1.0
+# How long a delivery's hash stays after its final outcome (WEBHOOK_KEEP_S).
+KEEP_S = 3600.0
+# A slot where nothing was due is asked again after this long, doubled each time it is
+# still idle, up to IDLE_POLL_MAX_S.
+IDLE_POLL_S = 0.2
+IDLE_POLL_MAX_S = 2.0
 
 
 # KEYS: the new delivery's hash, the due set, the request's replay marker, the tenant's
-# replay counter. ARGV: as ENQUEUE, then the limit and its window (seconds).
-# Returns {1, delivery id} (queued), {0, pending delivery id}, or {-1, seconds to wait}.
+# replay counter (all in the tenant's shard). ARGV: as ENQUEUE, then the limit and its
+# window (seconds). Returns {1, delivery id} (queued), {0, pending delivery id}, or
+# {-1, seconds to wait}.
 REPLAY = """
 local pending = redis.call('GET', KEYS[3])
 if pending and redis.call('ZSCORE', KEYS[2], pending) then return {0, pending} end
 local used = tonumber(redis.call('GET', KEYS[4]) or '0')
-if used >= tonumber(ARGV[9]) then
+if used >= tonumber(ARGV[10]) then
   local ttl = redis.call('TTL', KEYS[4])
-  if ttl < 0 then redis.call('EXPIRE', KEYS[4], ARGV[10]); ttl = tonumber(ARGV[10]) end
+  if ttl < 0 then redis.call('EXPIRE', KEYS[4], ARGV[11]); ttl = tonumber(ARGV[11]) end
   return {-1, ttl}
 end
-if redis.call('INCR', KEYS[4]) == 1 then redis.call('EXPIRE', KEYS[4], ARGV[10]) end
-redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'url', ARGV[2], 'event', ARGV[3], 'payload', ARGV[4],
-  'webhook_id', ARGV[5], 'tenant', ARGV[8], 'attempts', 0, 'log', '[]')
+if redis.call('INCR', KEYS[4]) == 1 then redis.call('EXPIRE', KEYS[4], ARGV[11]) end
+redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'url', ARGV[2], 'event', ARGV[3], 'webhook_id', ARGV[5],
+  'tenant', ARGV[8], 'at', ARGV[9], 'attempts', 0, 'log', '[]')
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'payload', ARGV[4]) end
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[7])
 redis.call('SET', KEYS[3], ARGV[7], 'EX', 7 * 86400)
 return {1, ARGV[7]}
 """
 
+# KEYS: the due set. ARGV: now, how many, the lease's end. Leases the due deliveries and
+# returns {when the slot's next delivery falls due ('' when none), delivery ids...}.
 CLAIM = """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
 for i, id in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[3], id) end
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+table.insert(due, 1, first[2] or '')
 return due
+"""
+
+# KEYS: the delivery's hash, the due set, the request's replay marker. ARGV: delivery id,
+# attempts, log, the next attempt's time ('': the final outcome), seconds the hash stays
+# after a final outcome. A final outcome takes the delivery out of the due set and lets
+# its hash (and the replay marker naming it) expire. Returns 0 when the hash is gone.
+SAVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('ZREM', KEYS[2], ARGV[1]); return 0 end
+redis.call('HSET', KEYS[1], 'attempts', ARGV[2], 'log', ARGV[3])
+if ARGV[4] ~= '' then
+  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
+  return 1
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+if redis.call('GET', KEYS[3]) == ARGV[1] then redis.call('EXPIRE', KEYS[3], ARGV[5]) end
+return 1
 """
 
 
@@ -84,33 +135,48 @@ class Delivery:
     request_id: str
     url: str
     event: str
-    payload: str
+    # None: a reference; the sender makes it from the stored record (request_payload).
+    payload: str | None
     webhook_id: str
     attempts: int
+    slot: WebhookSlot  # where it lives
     tenant: str = DEFAULT_TENANT  # whose secrets sign it
+    at: str = ""  # when its event happened (ISO 8601): the timestamp of a payload made at send time
     log: list[dict[str, Any]] = field(default_factory=list)
     leased_until: float = 0.0  # epoch seconds; 0: not claimed
 
 
 class WebhookQueue:
-    def __init__(self, redis: Redis, lease_s: float = 60.0) -> None:
+    def __init__(self, redis: Redis, lease_s: float = 60.0, *, shards: int = 1, keep_s: float = KEEP_S) -> None:
+        """shards: REDIS_SHARDS (a tenant's deliveries go to its shard; senders claim from
+        all of them, and from the legacy `{wh}` slot). keep_s: how long a delivery's hash
+        stays after its final outcome."""
         self.redis = redis
         self.lease_s = lease_s
+        self.shards = shards
+        self.keep_s = max(1, math.ceil(keep_s))
+        self.slots = [shard.webhooks for shard in all_shards(shards)] + [LEGACY_WEBHOOKS]
+        self._asleep: dict[WebhookSlot, float] = {}  # slot -> not asked again before (epoch s)
+        self._idle: dict[WebhookSlot, float] = {}  # slot -> its backoff now
+        self._first = 0  # the slot the next claim starts with (each gets its turn first)
         self._enqueue = redis.register_script(ENQUEUE)
         self._replay = redis.register_script(REPLAY)
         self._claim = redis.register_script(CLAIM)
+        self._save = redis.register_script(SAVE)
 
     async def enqueue(self, records: list[ResultRecord]) -> list[str]:
         """Deliveries for the records' terminal events, where the request asked for them, and
         the OpenAI-style events of background responses. Enqueuing the same record twice is
-        a no-op (the delivery ids are fixed)."""
+        a no-op while its deliveries' hashes last (the delivery ids are fixed)."""
         created = []
         for record in records:
             for new in (_NewDelivery.of(record), _NewDelivery.openai(record)):
-                if new is not None and await self._enqueue(
-                    keys=[webhook_key(new.base), WEBHOOK_DUE], args=new.args(new.base)
-                ):
+                if new is None:
+                    continue
+                slot = webhook_slot(new.tenant, self.shards)
+                if await self._enqueue(keys=[slot.delivery(new.base), slot.due], args=new.args(new.base)):
                     created.append(new.base)
+                    self._wake(slot)
         return created
 
     async def replay(self, record: ResultRecord, *, per_minute: int) -> Replay:
@@ -120,28 +186,57 @@ class WebhookQueue:
         if new is None:
             return Replay()
         delivery_id = f"{new.base}:replay:{time.time_ns()}"
-        keys = [
-            webhook_key(delivery_id),
-            WEBHOOK_DUE,
-            replay_marker_key(record.request_id),
-            webhook_replays_key(record.tenant),
-        ]
+        slot = webhook_slot(record.tenant, self.shards)
+        keys = [slot.delivery(delivery_id), slot.due, slot.replaying(record.request_id), slot.replays(record.tenant)]
         outcome, value = await self._replay(keys=keys, args=[*new.args(delivery_id), per_minute, REPLAY_WINDOW_S])
         if int(outcome) == 1:
+            self._wake(slot)
             return Replay(queued=str(value))
         if int(outcome) == 0:
             return Replay(pending=str(value))
         return Replay(retry_after_s=max(1, int(value)))
 
     async def claim(self, limit: int) -> list[Delivery]:
+        """Up to `limit` due deliveries from the slots, each leased to this sender for
+        lease_s; a slot asked lately and found idle waits for its turn. A slot whose Redis
+        is away is skipped for now; only when every slot asked failed does claim raise."""
+        deliveries: list[Delivery] = []
+        failure: Exception | None = None
+        asked = failed = 0
+        count = len(self.slots)
+        first, self._first = self._first, (self._first + 1) % count
+        for i in range(count):
+            if len(deliveries) >= limit:
+                break
+            slot = self.slots[(first + i) % count]
+            if self._asleep.get(slot, 0.0) > time.time():
+                continue
+            asked += 1
+            try:
+                deliveries += await self._claim_from(slot, limit - len(deliveries))
+            except REDIS_OUTAGE as exc:
+                log.warning("claiming webhooks of %s failed: %s", slot.tag, exc)
+                self._asleep[slot] = time.time() + IDLE_POLL_MAX_S
+                failure, failed = exc, failed + 1
+        if failure is not None and failed == asked:
+            raise failure  # Redis is away altogether: the sender's supervisor reports it
+        return deliveries
+
+    async def _claim_from(self, slot: WebhookSlot, limit: int) -> list[Delivery]:
         now = time.time()
         leased_until = now + self.lease_s
-        ids = await self._claim(keys=[WEBHOOK_DUE], args=[now, limit, leased_until])
+        next_due, *ids = await self._claim(keys=[slot.due], args=[now, limit, leased_until])
+        if ids:
+            self._wake(slot)
+        else:
+            idle = min(IDLE_POLL_MAX_S, self._idle.get(slot, IDLE_POLL_S / 2) * 2)
+            self._idle[slot] = idle
+            self._asleep[slot] = min(now + idle, float(next_due)) if next_due else now + idle
         deliveries = []
         for delivery_id in ids:
-            h = await self.redis.hgetall(webhook_key(delivery_id))
+            h = await self.redis.hgetall(slot.delivery(delivery_id))
             if not h:
-                await self.redis.zrem(WEBHOOK_DUE, delivery_id)
+                await self.redis.zrem(slot.due, delivery_id)
                 continue
             deliveries.append(
                 Delivery(
@@ -149,10 +244,12 @@ class WebhookQueue:
                     request_id=h["request_id"],
                     url=h["url"],
                     event=h["event"],
-                    payload=h["payload"],
+                    payload=h.get("payload"),
                     webhook_id=h["webhook_id"],
                     attempts=int(h["attempts"]),
-                    tenant=h.get("tenant") or _tenant_of_payload(h["payload"]),
+                    slot=slot,
+                    tenant=h.get("tenant") or _tenant_of_payload(h.get("payload") or ""),
+                    at=h.get("at") or "",
                     log=json.loads(h.get("log") or "[]"),
                     leased_until=leased_until,
                 )
@@ -160,21 +257,31 @@ class WebhookQueue:
         return deliveries
 
     async def save_attempt(self, delivery: Delivery, next_at: float | None) -> None:
-        """Record the attempt; schedule the next one, or end the delivery (next_at None)."""
-        key = webhook_key(delivery.delivery_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"attempts": delivery.attempts, "log": json.dumps(delivery.log)})
-            if next_at is None:
-                pipe.zrem(WEBHOOK_DUE, delivery.delivery_id)
-                pipe.expire(key, 7 * 86400)
-            else:
-                pipe.zadd(WEBHOOK_DUE, {delivery.delivery_id: next_at})
-            await pipe.execute()
+        """Record the attempt; schedule the next one, or end the delivery (next_at None):
+        then its hash expires keep_s later."""
+        slot = delivery.slot
+        keys = [slot.delivery(delivery.delivery_id), slot.due, slot.replaying(delivery.request_id)]
+        args = [delivery.delivery_id, delivery.attempts, json.dumps(delivery.log), next_at or "", self.keep_s]
+        await self._save(keys=keys, args=args)
+        if next_at is not None and self._asleep.get(slot, 0.0) > next_at:
+            self._asleep[slot] = next_at  # asked again when the retry falls due
+
+    def _wake(self, slot: WebhookSlot) -> None:
+        """The slot is asked at the next claim (it has work)."""
+        self._asleep.pop(slot, None)
+        self._idle.pop(slot, None)
 
 
-def replay_marker_key(request_id: str) -> str:
-    """The delivery id of the request's last replay (the binder's own name, in `{wh}`)."""
-    return f"{{wh}}:replaying:{request_id}"
+def request_payload(record: ResultRecord, event: str, at: str) -> str:
+    """The body of a request's webhook: its event, when that happened, and the result record
+    as stored (less the webhook's own status, which its attempts change)."""
+    return json.dumps(
+        {
+            "type": f"request.{event}",
+            "timestamp": at,
+            "data": record.model_dump(mode="json", exclude={"webhook_attempts", "webhook_status"}),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -185,7 +292,7 @@ class _NewDelivery:
     request_id: str
     url: str
     event: str
-    payload: str
+    payload: str  # "": a reference to the stored record
     webhook_id: str
     tenant: str
 
@@ -196,16 +303,9 @@ class _NewDelivery:
         if not record.webhook or event is None or event.value not in record.webhook.events:
             return None
         base = f"{record.request_id}:{event.value}"
-        payload = json.dumps(
-            {
-                "type": f"request.{event.value}",
-                "timestamp": datetime.now(UTC).isoformat(),
-                "data": record.model_dump(mode="json", exclude={"webhook_attempts", "webhook_status"}),
-            }
-        )
         # The same webhook-id on every attempt and replay: receivers de-duplicate on it.
         webhook_id = "msg_" + hashlib.sha256(base.encode()).hexdigest()[:26]
-        return cls(base, record.request_id, record.webhook.url, event.value, payload, webhook_id, record.tenant)
+        return cls(base, record.request_id, record.webhook.url, event.value, "", webhook_id, record.tenant)
 
     @classmethod
     def openai(cls, record: ResultRecord) -> _NewDelivery | None:
@@ -222,16 +322,18 @@ class _NewDelivery:
         return cls(base, record.request_id, TENANT_ENDPOINT, kind, payload, webhook_id, record.tenant)
 
     def args(self, delivery_id: str) -> list[Any]:
-        """ENQUEUE's ARGV (REPLAY's first eight), due now."""
+        """ENQUEUE's ARGV (REPLAY's first nine), due now."""
+        now = time.time()
         return [
             self.request_id,
             self.url,
             self.event,
             self.payload,
             self.webhook_id,
-            time.time(),
+            now,
             delivery_id,
             self.tenant,
+            datetime.fromtimestamp(now, UTC).isoformat(),
         ]
 
 

@@ -12,6 +12,11 @@ its first attempt: the result it reports on is gone from MongoDB then), so a rec
 cannot park a delivery for ever; 410 Gone, a refused destination and a secret that cannot
 sign end the delivery.
 
+A request's webhook is made when it is sent: the delivery names the request, and its body
+is the result record MongoDB holds then (queue.request_payload), read per attempt. A
+record that cannot be read (MongoDB away, or not found) is an attempt that failed, retried
+on the schedule: nothing is sent without it.
+
 Every attempt ends in a recorded outcome, whatever goes wrong in it (a host name that
 cannot be encoded, a resolver error, a bug): an attempt that raised without being
 recorded would be claimed again when its lease ran out, every lease, for ever. Each
@@ -21,8 +26,8 @@ headers are awaited; the response body is never read.
 
 An OpenAI-style event (its address is TENANT_ENDPOINT) goes to the tenant's OpenAI webhook
 endpoint as it is when the attempt is made; a tenant without one gets nothing (the
-delivery ends quietly). Its outcome is kept in the delivery only: a request's record shows
-the status of its own webhook."""
+delivery ends quietly). Its outcome is kept in the delivery only (WEBHOOK_KEEP_S after it
+ends): a request's record shows the status of its own webhook."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,12 +45,16 @@ import httpx
 from standardwebhooks import Webhook
 
 from binder.webhooks.guard import AddressGuard, Refused, Unresolvable, pinned
-from binder.webhooks.queue import LEASE_MARGIN_S, Delivery, WebhookQueue
+from binder.webhooks.queue import LEASE_MARGIN_S, Delivery, WebhookQueue, request_payload
 from binder.webhooks.secrets import SecretsUnavailable, TenantSecrets
 from gateway.common.logs import bind_request_ids
 from gateway.common.webhooks import TENANT_ENDPOINT
+from gateway.protocol import ResultRecord
 
 log = logging.getLogger(__name__)
+
+# Reads a stored result record: (request id, tenant) -> the record, None if not stored.
+RecordReader = Callable[[str, str | None], Awaitable[ResultRecord | None]]
 
 
 def sign(secrets: list[str] | tuple[str, ...], webhook_id: str, timestamp: datetime, payload: str) -> str:
@@ -91,6 +101,8 @@ def first_attempt_at(delivery: Delivery) -> float | None:
 def trace_id_of(delivery: Delivery) -> str | None:
     """The X-Request-ID of the call that submitted the request (the record in the payload
     holds it), when it is one that is safe in a header line."""
+    if delivery.payload is None:
+        return None
     try:
         trace_id = (json.loads(delivery.payload).get("data") or {}).get("trace_id")
     except (ValueError, AttributeError):
@@ -106,6 +118,7 @@ class WebhookSender:
         queue: WebhookQueue,
         on_status: Any,
         *,
+        records: RecordReader,
         secrets: TenantSecrets,
         retry_delays: list[float],
         jitter: float,
@@ -116,12 +129,14 @@ class WebhookSender:
         expire_after_s: float | None = None,
     ) -> None:
         """on_status(request_id, status, attempts_log) records the outcome (MongoDB).
+        records: reads the stored result a request's webhook is made of (MongoDB).
         secrets: which secrets sign a tenant's deliveries. timeout_s bounds a whole
         attempt (and each network operation in it). retry_after_max_s: the longest
         Retry-After honoured; expire_after_s: how long after its first attempt a delivery
         expires (None: never)."""
         self.queue = queue
         self.on_status = on_status
+        self.records = records
         self.secrets = secrets
         self.retry_delays = retry_delays or [0.0]
         self.jitter = jitter
@@ -168,8 +183,7 @@ class WebhookSender:
         return max(0.0, min(self.timeout_s, delivery.leased_until - LEASE_MARGIN_S - time.time()))
 
     async def deliver(self, delivery: Delivery) -> None:
-        trace_id = trace_id_of(delivery)
-        bind_request_ids(trace_id=trace_id, request_id=delivery.request_id)  # in this delivery's task
+        bind_request_ids(trace_id=trace_id_of(delivery), request_id=delivery.request_id)  # in this delivery's task
         openai = delivery.url == TENANT_ENDPOINT
         if openai and not await self._resolve(delivery):
             return
@@ -180,7 +194,7 @@ class WebhookSender:
             deadline = self.deadline_s(delivery)
             try:
                 async with asyncio.timeout(deadline):
-                    status, retry_after = await self._post(delivery, attempt, trace_id)
+                    status, retry_after = await self._post(delivery, attempt)
             except TimeoutError:
                 attempt["error"] = f"no response within the attempt deadline of {deadline:.1f}s"
                 status, retry_after = "error", None
@@ -224,10 +238,30 @@ class WebhookSender:
         log.debug("webhook %s: tenant %s has no OpenAI webhook endpoint", delivery.delivery_id, delivery.tenant)
         return False
 
-    async def _post(
-        self, delivery: Delivery, attempt: dict[str, Any], trace_id: str | None = None
-    ) -> tuple[str, float | None]:
+    async def _payload(self, delivery: Delivery, attempt: dict[str, Any]) -> str | None:
+        """The body to send: the one the delivery holds, or one made from the stored record
+        (None, the attempt's error said, when it cannot be read)."""
+        if delivery.payload is not None:
+            return delivery.payload
+        try:
+            record = await self.records(delivery.request_id, delivery.tenant)
+        except Exception as exc:  # MongoDB away: retried on the schedule, like any failed attempt
+            attempt["error"] = f"the stored result could not be read: {type(exc).__name__}: {exc}"[:500]
+            return None
+        if record is None:
+            attempt["error"] = f"no stored result {delivery.request_id} to send"
+            return None
+        at = delivery.at or datetime.now(UTC).isoformat()
+        delivery.payload = request_payload(record, delivery.event, at)
+        return delivery.payload
+
+    async def _post(self, delivery: Delivery, attempt: dict[str, Any]) -> tuple[str, float | None]:
         """('delivered' | 'gone' | 'refused' | 'error', Retry-After seconds)."""
+        payload = await self._payload(delivery, attempt)
+        if payload is None:
+            return "error", None
+        trace_id = trace_id_of(delivery)
+        bind_request_ids(trace_id=trace_id, request_id=delivery.request_id)
         try:
             signing = await self.secrets.for_tenant(delivery.tenant)
         except SecretsUnavailable as exc:
@@ -254,14 +288,14 @@ class WebhookSender:
                 "content-type": "application/json",
                 "webhook-id": delivery.webhook_id,
                 "webhook-timestamp": str(int(now.timestamp())),
-                "webhook-signature": sign(signing.secrets, delivery.webhook_id, now, delivery.payload),
+                "webhook-signature": sign(signing.secrets, delivery.webhook_id, now, payload),
                 "user-agent": "triton-gateway-webhooks/1",
             }
         )
         if trace_id:
             headers["x-request-id"] = trace_id  # receivers can match their logs to ours
         try:
-            request = self.http.stream("POST", url, content=delivery.payload, headers=headers, extensions=extensions)
+            request = self.http.stream("POST", url, content=payload, headers=headers, extensions=extensions)
             async with request as response:  # closed unread: the status is all we need
                 status_code, retry_after = response.status_code, response.headers.get("retry-after")
         except httpx.HTTPError as exc:

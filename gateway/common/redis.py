@@ -12,7 +12,10 @@ One Redis (REDIS_URL) or a Redis Cluster (REDIS_CLUSTER_NODES), behind one inter
   from a script too, reaches every node);
 - `reader(shard)`: one connection to the node holding a shard, for blocking reads
   (XREAD BLOCK), whose timeout exceeds the longest block; `unblocker()` the client that
-  interrupts those reads (CLIENT UNBLOCK on the reader's own node).
+  interrupts those reads (CLIENT UNBLOCK on the reader's own node);
+- `sync_client()`: a synchronous client of the same Redis or cluster, with connections of
+  its own, for a thread that must not depend on the event loop (the lease keeper,
+  gateway/server/dispatch/leases.py).
 
 Connection errors are retried a few times with backoff (the asyncio Retry class, on the
 asyncio clients): every script is idempotent, so a command replayed after a lost reply
@@ -30,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
+import redis as sync_redis
+import redis.cluster as sync_cluster
+import redis.retry as sync_retry
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode
@@ -117,6 +123,7 @@ class RedisClients:
     wait_replicas: int = 0
     wait_timeout_ms: int = 250
     auth: dict[str, Any] = field(default_factory=dict)  # cluster: credentials() of REDIS_URL
+    nodes: list[str] = field(default_factory=list)  # cluster: REDIS_CLUSTER_NODES
     # Cluster: a pooled plain client per node (replicated scripts), and which nodes the
     # blocking readers with a given client id are connected to (client ids are per node).
     _nodes: dict[tuple[str, int], Redis] = field(default_factory=dict)
@@ -162,10 +169,38 @@ class RedisClients:
             main=main,
             cluster=True,
             auth=auth,
+            nodes=list(cluster_nodes),
             timeout_s=timeout_s,
             max_connections=max_connections,
             wait_replicas=wait_replicas,
             wait_timeout_ms=wait_timeout_ms,
+        )
+
+    def sync_client(self, timeout_s: float | None = None) -> Any:
+        """A synchronous client of the same Redis or cluster (redis.Redis or
+        redis.cluster.RedisCluster, thread-safe), with connections of its own: for a
+        thread that must go on while the event loop is busy. timeout_s: its socket
+        timeout (default the clients' own)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        errors = [RedisConnectionError, RedisTimeoutError]
+        if not self.cluster:
+            return sync_redis.Redis.from_url(
+                self.url,
+                decode_responses=True,
+                socket_timeout=timeout,
+                socket_connect_timeout=min(timeout, 2.0),
+                health_check_interval=30,
+                retry=sync_retry.Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3),
+                retry_on_error=errors,
+            )
+        return sync_cluster.RedisCluster(
+            startup_nodes=[sync_cluster.ClusterNode(*_node(n)) for n in self.nodes],
+            **self.auth,
+            decode_responses=True,
+            socket_timeout=timeout,
+            socket_connect_timeout=min(timeout, 2.0),
+            retry=sync_retry.Retry(ExponentialWithJitterBackoff(base=0.1, cap=1.0), 6),
+            retry_on_error=errors,
         )
 
     # -- plain connections to cluster nodes ------------------------------------------------
@@ -222,7 +257,12 @@ class RedisClients:
         """Run `script` on the node holding keys[0] and, with wait_replicas, WAIT on the
         same connection: (the script's reply, the replicas that confirmed its writes within
         wait_timeout_ms; None when not asked). A MOVED answer (the script did not run) is
-        followed; an outage is retried until timeout_s (the scripts are idempotent)."""
+        followed; an outage is retried until timeout_s (the scripts are idempotent).
+
+        A retry runs on a new connection, whose WAIT counts only that connection's own
+        writes: the replicated scripts (SUBMIT, FINISH) therefore write something even when
+        they find their own earlier write (a replay: gateway/server/queue/scripts.py
+        `sync`), so a WAIT after a replay still covers the write it found."""
         if not self.wait_replicas:
             return await script(keys=keys, args=args), None
         if not self.cluster:

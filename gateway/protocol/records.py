@@ -4,6 +4,7 @@ GET /results/<id> returns it."""
 
 from __future__ import annotations
 
+import hashlib
 from datetime import UTC, datetime
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -45,10 +46,16 @@ class Usage(BaseModel):
         return self.prompt_tokens + self.completion_tokens
 
 
+def replica_name(url: str) -> str:
+    """How records name a replica: a stable opaque name, never its address (records are
+    the tenants' to read; operators map names to addresses with GET /admin/replicas)."""
+    return "replica-" + hashlib.sha256(url.encode()).hexdigest()[:12]
+
+
 class Route(BaseModel):
     """Why the request went to the replica it ran on."""
 
-    replica: str
+    replica: str  # replica_name()
     policy: str  # cache_aware, load, least_outstanding, round_robin
     reason: str  # prefix, load, imbalance, only_replica, ...
     matched_blocks: int = 0
@@ -106,7 +113,7 @@ class ResultRecord(BaseModel):
     parameters: dict[str, Any] = Field(default_factory=dict)
     outputs: dict[str, Any] | None = None
     error: ErrorInfo | None = None
-    replica: str | None = None
+    replica: str | None = None  # replica_name() of the replica that ran it
     route: Route | None = None
     usage: Usage | None = None
     attempts: int = 0

@@ -8,7 +8,8 @@ names are used (REDIS_SHARDS=1: one shard). A request id carries its shard
 (gateway.protocol.ids), so any process finds its keys from the id alone.
 
 Per shard (prefix `{sN}:`):
-- `req:<id>` hash (state, model, tenant, band, payload, attempts, emitted, owner, ...),
+- `req:<id>` hash (state, model, tenant, band, payload, attempts, handovers, emitted,
+  owner, run (the current run's token: its fence), ...),
   `events:<id>` stream (what SSE and /v1 streams read), `tokens:<id>` (token ids emitted,
   for resuming on another replica);
 - `q:<model>:<band>:<tenant>` list: the tenant's waiting requests, oldest first;
@@ -21,10 +22,14 @@ Per shard (prefix `{sN}:`):
 - `leases` sorted set id -> lease end (ms): a running request's dispatcher renews it;
 - `deadlines` sorted set id -> deadline; `backlog` and `running` counter hashes;
 - `results` stream: finished records for the binders; `results:dead`: poison entries;
-- `idem:<tenant>:<key>`: idempotency keys; `take:<consumer>`: a dispatcher's last take.
+- `idem:<tenant>:<key>`: idempotency keys; `take:<consumer>`: a dispatcher's last take;
+  `sync`: written by a replayed SUBMIT or FINISH, so the WAIT after it covers what it found;
+- `wh:due`, `wh:delivery:<id>`, `wh:replaying:<request id>`, `wh:replays:<tenant>`: the
+  webhook deliveries of the shard's tenants (binder/webhooks/queue.py).
 
-Everywhere else: the pub/sub channels (cluster-wide), the webhook queue (its own slot,
-`{wh}`), usage, rate limits and the routing prefix index (single-key operations)."""
+`{wh}:` holds the webhook deliveries queued before they moved into the shards (senders
+still drain it; nothing new goes there). Everywhere else: the pub/sub channels
+(cluster-wide), usage, rate limits and the routing prefix index (single-key operations)."""
 
 from __future__ import annotations
 
@@ -43,15 +48,35 @@ KEYS_CHANNEL = "keys:changed"  # an API key was revoked (every process drops its
 
 # -- binder ----------------------------------------------------------------------------------
 BINDER_GROUP = "binders"
-WEBHOOK_DUE = "{wh}:due"  # sorted set: delivery id scored by next attempt time
 
 
-def webhook_key(delivery_id: str) -> str:
-    return f"{{wh}}:delivery:{delivery_id}"
+@dataclass(frozen=True)
+class WebhookSlot:
+    """The key names of the webhook deliveries in one slot: a shard's (`{s3}:wh:`), or the
+    one slot every delivery used to share (`{wh}:`, LEGACY_WEBHOOKS)."""
+
+    tag: str  # the keys' common beginning, hash tag included
+
+    @property
+    def due(self) -> str:
+        """Sorted set: delivery id -> its next attempt (or its lease's end), epoch seconds."""
+        return f"{self.tag}due"
+
+    def delivery(self, delivery_id: str) -> str:
+        """Hash: what a delivery names (request id, url, event, webhook id, tenant), its attempts and log."""
+        return f"{self.tag}delivery:{delivery_id}"
+
+    def replaying(self, request_id: str) -> str:
+        """String: the delivery id of the request's last replay."""
+        return f"{self.tag}replaying:{request_id}"
+
+    def replays(self, tenant: str) -> str:
+        """Counter: the tenant's replays in the current window."""
+        return f"{self.tag}replays:{tenant}"
 
 
-def webhook_replays_key(tenant: str) -> str:
-    return f"{{wh}}:replays:{tenant}"
+# Where every delivery lived before they moved into the shards: drained, never added to.
+LEGACY_WEBHOOKS = WebhookSlot("{wh}:")
 
 
 def band_for(priority: int, *, batch: bool = False) -> str:
@@ -124,6 +149,11 @@ class Shard:
         """Hash: each binder's index follower -> "<last entry read> <ms>" (trimming waits for it)."""
         return f"{self.prefix}results:readers"
 
+    @property
+    def webhooks(self) -> WebhookSlot:
+        """The webhook deliveries of the shard's tenants."""
+        return WebhookSlot(f"{self.prefix}wh:")
+
 
 def shard_of(request_id: str) -> Shard:
     return Shard(request_id_shard(request_id))
@@ -131,3 +161,8 @@ def shard_of(request_id: str) -> Shard:
 
 def all_shards(count: int) -> list[Shard]:
     return [Shard(i) for i in range(max(1, min(count, MAX_SHARDS)))]
+
+
+def webhook_slot(tenant: str, shards: int) -> WebhookSlot:
+    """Where a tenant's webhook deliveries live: in its shard, beside its requests."""
+    return Shard(shard_for_tenant(tenant, shards)).webhooks

@@ -246,7 +246,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             tenants=tenants,
             quotas=quotas,
             usage=usage,
-            files=FileStore(mongo, settings.mongo_db),
+            files=FileStore(mongo, settings.mongo_db, settings.file_retention_s),
             batches=BatchStore(mongo, settings.mongo_db),
         )
         svc = app.state.services
@@ -264,6 +264,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             for name, run in (
                 ("sweeper", sweeper.run),
                 ("batches", svc.batch_runner.run),
+                ("expired files", lambda: svc.files.sweep_forever(settings.file_sweep_interval_s)),
                 ("key changes", lambda: follow_key_changes(svc.keys, clients)),
                 ("usage", usage.run),
             )

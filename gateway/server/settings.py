@@ -39,6 +39,11 @@ class GatewaySettings(ServiceSettings):
     # -- Files and batches (OpenAI's Files and Batch APIs) -----------------------------
     # An uploaded file (POST /v1/files; the only route allowed a body this large).
     max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
+    # How long a file is kept (an upload without expires_after, a batch's output and error
+    # files; OpenAI's longest expires_after), and how often each gateway removes the
+    # expired ones from GridFS.
+    file_retention_s: int = Field(default=30 * 24 * 3600, ge=60)
+    file_sweep_interval_s: float = Field(default=60.0, gt=0)
     batch_max_lines: int = Field(default=50_000, ge=1)
     # Lines of one batch queued or running at once: the rest wait in MongoDB, so a large
     # batch neither fills the backlog nor waits out its requests' deadlines in the queue.
@@ -118,13 +123,15 @@ class GatewaySettings(ServiceSettings):
     triton_metrics_port: int = Field(default=8002, ge=1, le=65535)
 
     # -- Dispatcher ---------------------------------------------------------------------------
-    # A running request's lease: renewed every third of it by its dispatcher; one not
-    # renewed this long belongs to a dead dispatcher and is started again elsewhere.
+    # A running request's lease: renewed every third of it by its dispatcher's lease keeper
+    # (a thread of its own: a busy event loop does not stop it; dispatch/leases.py); one
+    # not renewed this long belongs to a dead dispatcher and is started again elsewhere.
     claim_idle_ms: int = Field(default=15_000, ge=50)
     # Free slots of a model kept for light tenants while others are active (at most this
     # share of the model's slots; see gateway.server.dispatch.scheduler).
     fair_headroom: float = Field(default=0.25, ge=0, le=1)
-    # A request started more often than this fails instead of being run again.
+    # A request started more often than this fails instead of being run again (runs a
+    # draining gateway handed on do not count).
     max_deliveries: int = Field(default=3, ge=1)
     sweep_interval_s: float = Field(default=1.0, gt=0)
     # Token events: a stream's pieces of a window travel as one event, and the events of

@@ -145,15 +145,19 @@ class Submitter:
             idempotency = (idempotency_keys[index], hashes[index]) if idempotency_keys and hashes else None
             new.append(NewRequest(request_id, payload, now, now + timeout_s, idempotency))
         start_as, light_only = self.dispatcher.can_start_now(model, who.tenant) if len(new) == 1 else ("", False)
-        submitted = await self.jobs.submit(
-            new,
-            model=model,
-            tenant=who.tenant,
-            band=band,
-            admission=admission,
-            start_as=start_as,
-            light_only=light_only,
-        )
+        try:
+            submitted = await self.jobs.submit(
+                new,
+                model=model,
+                tenant=who.tenant,
+                band=band,
+                admission=admission,
+                start_as=start_as,
+                light_only=light_only,
+            )
+        finally:
+            if start_as:
+                self.dispatcher.end_start_now(model)  # the run, if started, is adopted below
         if submitted.outcome == "full":
             raise Busy(
                 "backlog_full",
@@ -181,6 +185,7 @@ class Submitter:
                 cancel_requested=False,
                 stored=False,
                 band=band,
+                run=submitted.run,
             )
             self.dispatcher.adopt(job, prepared[0])  # validated once: the run does not do it again
         else:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.protocol import WebhookSpec
+from gateway.protocol.records import replica_name
 from gateway.protocol.webhook_secrets import secrets_problem
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, admin, caller, manage, operator
@@ -158,10 +159,12 @@ async def replicas(request: Request, who: Annotated[Caller, Depends(operator)]) 
         "replicas": [
             {
                 "url": replica.url,
+                "name": replica_name(replica.url),  # as records name it
                 "healthy": replica.healthy,
                 "removed": replica.removed,
                 "inflight": replica.inflight,
                 "max_inflight": replica.max_inflight,
+                "engine_limits": replica.engine_limits,
                 "ready_models": sorted(replica.ready_models),
                 "last_error": replica.last_error,
                 "generation": replica.generation,

@@ -4,10 +4,12 @@
 - Asks for a model's work only while its replicas have a free slot, keeping the headroom
   for light tenants (scheduler.Headroom); asks the shards where work was announced
   (pub/sub `work`), and every POLL_S all of them in case a message was lost.
-- Every run holds its attempt number; a heartbeat renews its lease and checks its fence
-  and cancel flag. A run that finds itself stale stops without finishing; a cancel is a
-  flag in Redis, pub/sub only makes it fast. A lease not renewed (the process died) runs
-  out, and the request is started again elsewhere, first in line.
+- Every run holds its run token (its fence; the attempt number is for display and the
+  delivery limit, which leaves hand-overs out). The lease keeper (leases.py) renews the
+  leases from a thread of its own, so a busy event loop cannot let them lapse, and checks
+  the fence and the cancel flag. A run that finds itself stale stops without finishing; a
+  cancel is a flag in Redis, pub/sub only makes it fast. A lease not renewed (the process
+  died) runs out, and the request is started again elsewhere, first in line.
 - Deadlines: a run is stopped and ends `expired` when its deadline passes.
 - On shutdown: no new work is taken; running requests get drain_s to finish while their
   leases are still renewed; those still running then are handed on at once (HANDOVER),
@@ -26,9 +28,9 @@ from gateway.common.logs import bind_request_ids
 from gateway.common.redis import REDIS_OUTAGE, RedisClients
 from gateway.common.retry import LoopHealth, supervise
 from gateway.protocol import ErrorInfo, ResultRecord, State
-from gateway.protocol.ids import request_id_shard
 from gateway.protocol.redis_keys import CANCEL_CHANNEL, WORK_CHANNEL, Shard
 from gateway.server.dispatch.emitter import LostPieces, StaleRun
+from gateway.server.dispatch.leases import LeaseKeeper
 from gateway.server.dispatch.runner import RunControl, Runner
 from gateway.server.dispatch.scheduler import Headroom, ShardPlan
 from gateway.server.metrics import GatewayMetrics
@@ -53,6 +55,7 @@ class Running:
     control: RunControl | None = None
     task: asyncio.Task[None] | None = None
     acquired: bool = False
+    stale: bool = False  # another run took over: it stops without finishing
 
 
 @dataclass
@@ -82,11 +85,15 @@ class Dispatcher:
         self.plan.mark_all(self.registry.names)
         self._side: set[asyncio.Task[None]] = set()
         self._acquiring: dict[str, int] = {}  # per model: runs not holding a replica slot yet
+        # Per model: slots promised to submissions in flight that may start at once
+        # (can_start_now until end_start_now), so concurrent calls cannot all take one slot.
+        self._promised: dict[str, int] = {}
+        self.leases = LeaseKeeper(self.redis, self.jobs.shards, self.consumer, self.jobs.lease_ms, self._on_lease)
 
     async def start(self) -> None:
+        self.leases.start()
         for name, loop in (
             ("dispatcher take", self._take_loop),
-            ("dispatcher heartbeat", self._heartbeat_loop),
             ("dispatcher channels", self._channel_loop),
         ):
             health = self.health[name] = LoopHealth(name)
@@ -96,7 +103,6 @@ class Dispatcher:
         """Stop taking work; let running requests finish for up to drain_s (their leases
         still renewed); hand the rest on to other gateways at once."""
         self._accepting = False
-        heartbeat = self._loops.pop("dispatcher heartbeat", None)
         for task in self._loops.values():
             task.cancel()
         await asyncio.gather(*self._loops.values(), return_exceptions=True)
@@ -104,15 +110,13 @@ class Dispatcher:
         tasks = [r.task for r in self.running.values() if r.task]
         if tasks:
             await asyncio.wait(tasks, timeout=drain)
-        left = [request_id for request_id, r in self.running.items() if r.task and not r.task.done()]
-        for request_id in left:
+        left = [(request_id, r.job.run) for request_id, r in self.running.items() if r.task and not r.task.done()]
+        for request_id, _ in left:
             left_task = self.running[request_id].task
             if left_task is not None:
                 left_task.cancel()
         await asyncio.gather(*(t for t in tasks if not t.done()), return_exceptions=True)
-        if heartbeat is not None:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+        await self.leases.stop()
         if left:
             try:
                 moved = await self.jobs.handover(self.consumer, left)
@@ -135,7 +139,13 @@ class Dispatcher:
         room = self._room(model)
         if room <= 0:
             return "", False
+        self._promised[model] = self._promised.get(model, 0) + 1
         return self.consumer, room <= self.headroom.reserve(model, self._slots(model))
+
+    def end_start_now(self, model: str) -> None:
+        """The submission that can_start_now promised a slot has ended (started here, and
+        adopted, or queued after all): the slot is no longer promised."""
+        self._promised[model] -= 1
 
     def adopt(self, job: Job, prepared: Any = None) -> None:
         """Run a request SUBMIT started for this process (attempt 1, already running);
@@ -156,15 +166,16 @@ class Dispatcher:
         adapter = self.registry.adapters.get(model)
         if adapter is None:
             return 0
-        return sum(r.max_inflight for r in self.pool.serving(adapter.triton_model))
+        return sum(r.limit(adapter.triton_model) for r in self.pool.serving(adapter.triton_model))
 
     def _free(self, model: str) -> int:
         adapter = self.registry.adapters.get(model)
         return self.pool.free_slots(adapter.triton_model) if adapter else 0
 
     def _room(self, model: str) -> int:
-        """Free slots of the model, less the runs of it still waiting to acquire one."""
-        return self._free(model) - self._acquiring.get(model, 0)
+        """Free slots of the model, less the runs of it still waiting to acquire one and
+        those promised to submissions in flight."""
+        return self._free(model) - self._acquiring.get(model, 0) - self._promised.get(model, 0)
 
     def _background(self, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -177,6 +188,7 @@ class Dispatcher:
         self.headroom.touch(job.model, job.tenant)
         running = Running(job=job, prepared=prepared)
         self.running[job.request_id] = running
+        self.leases.add(job.request_id, job.run)  # renewed from now on, however busy this loop is
         self._acquiring[job.model] = self._acquiring.get(job.model, 0) + 1
         running.task = asyncio.create_task(self._handle(running), name=f"request-{job.request_id}")
 
@@ -222,50 +234,36 @@ class Dispatcher:
                     break  # only heavy tenants wait: keep the headroom until then
         return started
 
-    async def _heartbeat_loop(self) -> None:
-        interval = self.settings.claim_idle_ms / 3000
-        while True:
-            await asyncio.sleep(interval)
-            await self.check_runs()
-
-    async def check_runs(self) -> None:
-        """Renew our runs' leases; stop the stale ones and those asked to cancel."""
-        by_shard: dict[int, list[tuple[str, Running]]] = {}
-        for request_id, running in list(self.running.items()):
-            if running.control is not None:
-                by_shard.setdefault(request_id_shard(request_id), []).append((request_id, running))
-        for index, runs in by_shard.items():
-            shard = self.jobs.shards[index % len(self.jobs.shards)]
-            try:
-                flags = await self.jobs.renew(
-                    shard, self.consumer, [(rid, r.control.attempt) for rid, r in runs if r.control]
-                )
-            except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): renew the others
-                log.warning("renewing %d leases in %s failed: %s", len(runs), shard.prefix, type(exc).__name__)
-                continue
-            for (request_id, running), flag in zip(runs, flags, strict=True):
-                control = running.control
-                if control is None:
-                    continue
-                if flag == 0:
-                    log.warning(
-                        "request %s: attempt %d is stale (another run took over); stopping",
-                        request_id,
-                        control.attempt,
-                    )
-                    control.stale = True
-                    control.stop()
-                    if running.task:
-                        running.task.cancel()
-                elif flag == 2 and not control.cancel_requested:
-                    control.cancel_requested = True
-                    control.stop()
+    def _on_lease(self, request_id: str, run: str, flag: int) -> None:
+        """What the lease keeper found (on this loop): 0 the run is stale, 2 it is asked to cancel."""
+        running = self.running.get(request_id)
+        if running is None or running.job.run != run:
+            return  # that run has ended here
+        control = running.control
+        if flag == 0:
+            if running.stale:
+                return
+            log.warning(
+                "request %s: attempt %d is stale (another run took over); stopping", request_id, running.job.attempts
+            )
+            running.stale = True
+            if control is not None:  # else its task stops as it begins
+                control.stale = True
+                control.stop()
+                if running.task:
+                    running.task.cancel()
+        elif flag == 2:
+            if control is None:
+                running.job.cancel_requested = True
+            elif not control.cancel_requested:
+                control.cancel_requested = True
+                control.stop()
 
     async def _channel_loop(self) -> None:
         """Cancels (a running request of ours asked to stop) and work announcements."""
         async with self.redis.subscription(CANCEL_CHANNEL, WORK_CHANNEL) as pubsub:
             # Cancels and work announced while we were not subscribed: look now.
-            await self.check_runs()
+            self.leases.check_now()
             self.plan.mark_all(self.registry.names)
             self._wake.set()
             while True:
@@ -300,7 +298,9 @@ class Dispatcher:
         # This task's log context is a copy of its spawner's (maybe another request's run).
         bind_request_ids(trace_id=job.payload.get("trace_id"), request_id=request_id)
         try:
-            control = running.control = RunControl(request_id=request_id, attempt=job.attempts)
+            if running.stale:
+                return
+            control = running.control = RunControl(request_id=request_id, attempt=job.attempts, token=job.run)
             control.cancel_requested = job.cancel_requested
             self.metrics.count_queue_wait(job.model, max(0.0, time.time() - job.created_at))
             record = await self._run(job, control, running)
@@ -319,11 +319,12 @@ class Dispatcher:
                 "request %s: attempt %d found itself stale; the newer run finishes it", request_id, job.attempts
             )
         except asyncio.CancelledError:
-            if not (running.control and running.control.stale):
+            if not running.stale:
                 raise  # shutting down: the request is handed on
         except Exception:
             log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
         finally:
+            self.leases.discard(request_id, job.run)
             self.running.pop(request_id, None)
             self._acquired(running)
             self._wake.set()
@@ -331,11 +332,11 @@ class Dispatcher:
     async def _run(self, job: Job, control: RunControl, running: Running) -> ResultRecord:
         if control.cancel_requested:
             return job.record(State.CANCELED)
-        if job.attempts > self.settings.max_deliveries:
+        if job.deliveries > self.settings.max_deliveries:  # hand-overs (drains) do not count
             return job.record(
                 State.FAILED,
                 error=ErrorInfo(
-                    code="too_many_attempts", message=f"started {job.attempts - 1} times without finishing"
+                    code="too_many_attempts", message=f"started {job.deliveries - 1} times without finishing"
                 ),
             )
 
@@ -366,7 +367,7 @@ class Dispatcher:
                     await emitter.close(deadline)
                 reply = await self.jobs.finish(
                     record,
-                    attempt=job.attempts,
+                    run=job.run,
                     output_event=self._output_event(job, record),
                     emitted=emitter.total if emitter is not None else None,
                 )

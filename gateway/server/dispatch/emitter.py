@@ -14,7 +14,7 @@ EMIT is idempotent by index, so a write replayed after a lost reply adds nothing
 stream that holds fewer pieces than were sent (a Redis that lost its last writes) is
 refilled from where it stops ('gap'). The run's FINISH checks the count once more, so
 the joined pieces always equal the final text. Every write is fenced by the run's
-attempt; a write that finds the run stale ends the run."""
+token; a write that finds the run stale ends the run."""
 
 from __future__ import annotations
 
@@ -47,14 +47,14 @@ class TokenEmitter:
         self,
         relay: TokenRelay,
         request_id: str,
-        attempt: int,
+        run: str,
         *,
         first_index: int,
         on_cancel: Callable[[], None],
     ) -> None:
         self.relay = relay
         self.request_id = request_id
-        self.attempt = attempt
+        self.run = run  # the run's token (its fence)
         self.first_index = first_index  # pieces before it were sent by earlier runs
         self.on_cancel = on_cancel
         self.pieces: list[Piece] = []  # every piece of this run, from first_index on
@@ -119,7 +119,7 @@ class TokenEmitter:
         batch = self.pieces[start : end - self.first_index]
         event = TokenEvent(
             self.request_id,
-            self.attempt,
+            self.run,
             self.sent,
             "".join(p.text for p in batch),
             len(batch),

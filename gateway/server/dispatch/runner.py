@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gateway.protocol import ErrorInfo, ResultRecord, Route, State, Usage
+from gateway.protocol.records import replica_name
 from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
 from gateway.server.dispatch.failures import Failure, classify
 from gateway.server.dispatch.relay import TokenRelay
@@ -42,7 +43,8 @@ class RunControl:
     """Shared between a run and whoever may stop it (cancel, shutdown, fencing)."""
 
     request_id: str
-    attempt: int
+    attempt: int  # for display: the fence is `token`
+    token: str = ""  # the run's token: every write of the run is fenced by it
     cancel_requested: bool = False
     stale: bool = False
     first_response_s: float | None = None
@@ -147,7 +149,7 @@ class Runner:
         return TokenEmitter(
             self.relay,
             job.request_id,
-            control.attempt,
+            control.token,
             first_index=job.emitted,
             on_cancel=lambda: self._cancel(control),
         )
@@ -180,7 +182,7 @@ class Runner:
             status,
             outputs=outputs or None,
             error=error,
-            replica=control.replica,
+            replica=replica_name(control.replica) if control.replica else None,
             route=control.route,
             usage=usage,
             ttft_s=control.first_response_s,
@@ -213,7 +215,7 @@ class Runner:
             control.on_acquired()
         control.replica = replica.url
         control.route = (plan.route() if plan else None) or Route(
-            replica=replica.url, policy="least_outstanding", reason="load", load=float(replica.inflight)
+            replica=replica_name(replica.url), policy="least_outstanding", reason="load", load=float(replica.inflight)
         )
         run = adapter.new_run(prepared, resume)
         previous, control.run = control.run, run

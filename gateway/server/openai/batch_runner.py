@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 # Submission refusals that mean "not now" (the line is tried again), not "never".
 _LATER = {"backlog_full", "rate_limited", "token_rate_limited", "redis_unavailable", "redis_full", "mongo_unavailable"}
 _RENEW_EVERY_LINES = 500
+# Validation writes its line documents in bulks of at most this much input (and of at most
+# _RENEW_EVERY_LINES lines): what it holds of a large file is one bulk.
+_WRITE_BYTES = 512 << 10
 
 
 class LeaseLost(Exception):
@@ -226,29 +229,37 @@ class BatchRunner:
     async def _announce(self, batch: dict[str, Any], ending: str) -> None:
         """The batch's OpenAI webhook event (best effort: the batch has ended either way)."""
         try:
-            await enqueue_openai_event(self.svc.redis, batch["tenant"], f"batch.{ending}", batch["_id"])
+            await enqueue_openai_event(
+                self.svc.redis, batch["tenant"], f"batch.{ending}", batch["_id"], shards=self.settings.redis_shards
+            )
         except Exception as exc:
             log.warning("batch %s: queueing its batch.%s webhook failed: %s", batch["_id"], ending, exc)
 
     async def validate(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Read the input file into line documents (invalid lines end at once, failed)."""
-        content = await self.svc.files.read(batch["tenant"], batch["input_file_id"])
-        if content is None:
+        """Read the input file into line documents (invalid lines end at once, failed),
+        line by line as it streams from GridFS: a large file is never held whole. A file
+        that fails as a whole (not UTF-8, too many lines) takes the lines written back."""
+        lines = await self.svc.files.lines(batch["tenant"], batch["input_file_id"])
+        if lines is None:
             return await self._fail(batch, "file_not_found", f"no file {batch['input_file_id']}")
-        try:
-            text = content.decode("utf-8")
-        except UnicodeDecodeError:
-            return await self._fail(batch, "invalid_file", "the input file is not UTF-8 text")
-        numbered = [(n, raw) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
-        if not numbered:
-            return await self._fail(batch, "empty_file", "the input file has no lines")
-        if len(numbered) > self.settings.batch_max_lines:
-            return await self._fail(
-                batch, "too_many_lines", f"a batch may have at most {self.settings.batch_max_lines} lines"
-            )
         seen: set[str] = set()
-        writes = []
-        for count, (n, raw) in enumerate(numbered, 1):
+        writes: list[UpdateOne] = []
+        count = n = buffered = 0
+        async for data in lines:
+            n += 1
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError:
+                await self.store.lines.delete_many({"batch": batch["_id"]})
+                return await self._fail(batch, "invalid_file", "the input file is not UTF-8 text")
+            if not raw.strip():
+                continue
+            count += 1
+            if count > self.settings.batch_max_lines:
+                await self.store.lines.delete_many({"batch": batch["_id"]})
+                return await self._fail(
+                    batch, "too_many_lines", f"a batch may have at most {self.settings.batch_max_lines} lines"
+                )
             line: dict[str, Any] = {"batch": batch["_id"], "line": n, "custom_id": None, "outcome": PENDING}
             try:
                 parsed = BatchLine.model_validate(_json_line(raw))
@@ -265,12 +276,16 @@ class BatchRunner:
                 if line["custom_id"] is None and isinstance(exc, ValidationError):
                     line["custom_id"] = _custom_id_of(raw)
             writes.append(UpdateOne({"_id": f"{batch['_id']}:{n:07d}"}, {"$set": line}, upsert=True))
-            if count % _RENEW_EVERY_LINES == 0:
+            buffered += len(data)
+            if buffered >= _WRITE_BYTES or count % _RENEW_EVERY_LINES == 0:
                 await self.store.lines.bulk_write(writes, ordered=False)
-                writes = []
+                writes, buffered = [], 0
+            if count % _RENEW_EVERY_LINES == 0:
                 await self._renew(batch["_id"])
         if writes:
             await self.store.lines.bulk_write(writes, ordered=False)
+        if not count:
+            return await self._fail(batch, "empty_file", "the input file has no lines")
         fields = {"in_progress_at": int(time.time()), "request_counts": await self._counts(batch["_id"])}
         started = await self._update(batch["_id"], {**fields, "status": "in_progress"}, {"status": "validating"})
         return started or await self._renew(batch["_id"], fields)  # cancelled while validating: stays cancelling

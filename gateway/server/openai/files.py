@@ -4,10 +4,20 @@ GET /v1/files/{id}/content, DELETE /v1/files/{id}.
 Files live in MongoDB's GridFS (bucket `files`), never only in memory: a batch's input
 survives any gateway, and its output and error files are written there too. Each file
 belongs to one tenant; another tenant gets 404. Uploads are limited to MAX_FILE_BYTES
-(413 beyond), and only purpose `batch` is taken (the Batch API is what files are for)."""
+(413 beyond), and only purpose `batch` is taken (the Batch API is what files are for).
+
+Every file expires (its `expires_at`): an upload FILE_RETENTION_S (30 days) after it was
+made, or after OpenAI's `expires_after` (anchor `created_at`, one hour to 30 days); a
+batch's output and error files FILE_RETENTION_S after they are written. An expired file
+reads as gone at once (404, not listed); every gateway sweeps expired files out of GridFS
+(chunks, then the file document) every FILE_SWEEP_INTERVAL_S. A TTL index cannot do it:
+GridFS's chunks carry no date, and the local MongoDB-wire server (nx-27017) keeps no TTL
+index on GridFS's collections."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import IO, Annotated, Any
@@ -15,16 +25,26 @@ from typing import IO, Annotated, Any
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from gridfs import AsyncGridFSBucket, NoFile
+from gridfs.errors import CorruptGridFile
 from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
 
 from gateway.protocol import new_request_id
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.services import Services, services
 
+log = logging.getLogger(__name__)
+
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 BUCKET = "files"
+# OpenAI's bounds of an upload's expires_after[seconds]: one hour to 30 days.
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 24 * 3600
+DEFAULT_RETENTION_S = MAX_EXPIRES_AFTER_S
+# Expired files one sweep removes at most (the next sweep takes the rest).
+SWEEP_BATCH = 1000
 UPLOAD_PURPOSES = ("batch",)
 # Files the Batch API writes (as OpenAI names them).
 OUTPUT_PURPOSE = "batch_output"
@@ -37,18 +57,29 @@ def new_file_id() -> str:
 class FileStore:
     """Files of tenants in GridFS: content in chunks, what a file is in its metadata."""
 
-    def __init__(self, client: AsyncMongoClient, database: str) -> None:
+    def __init__(self, client: AsyncMongoClient, database: str, retention_s: int = DEFAULT_RETENTION_S) -> None:
         self.bucket = AsyncGridFSBucket(client[database], bucket_name=BUCKET)
         self.meta = client[database][f"{BUCKET}.files"]
+        self.chunks_collection = client[database][f"{BUCKET}.chunks"]
+        self.retention_s = retention_s
 
     async def put(
-        self, tenant: str, filename: str, purpose: str, source: bytes | IO[bytes], file_id: str | None = None
+        self,
+        tenant: str,
+        filename: str,
+        purpose: str,
+        source: bytes | IO[bytes],
+        file_id: str | None = None,
+        expires_after_s: int | None = None,
     ) -> dict[str, Any]:
-        """Store a file (a file_id given again replaces that file: finalizing may be redone)."""
+        """Store a file (a file_id given again replaces that file: finalizing may be redone),
+        expiring expires_after_s from now (None: the retention)."""
         file_id = file_id or new_file_id()
         if await self._exists(file_id):
             await self.bucket.delete(file_id)
-        metadata = {"tenant": tenant, "purpose": purpose, "created_at": int(time.time())}
+        now = int(time.time())
+        expires_at = now + (expires_after_s if expires_after_s is not None else self.retention_s)
+        metadata = {"tenant": tenant, "purpose": purpose, "created_at": now, "expires_at": expires_at}
         await self.bucket.upload_from_stream_with_id(file_id, filename, source, metadata=metadata)
         found = await self.get(tenant, file_id)
         assert found is not None
@@ -57,13 +88,31 @@ class FileStore:
     async def _exists(self, file_id: str) -> bool:
         return await self.meta.find_one({"_id": file_id}, {"_id": 1}) is not None
 
+    def _unexpired(self, now: int) -> dict[str, Any]:
+        """A file still to be served (one stored before files expired lasts the retention)."""
+        return {
+            "$or": [
+                {"metadata.expires_at": {"$gt": now}},
+                {"metadata.expires_at": {"$exists": False}, "metadata.created_at": {"$gt": now - self.retention_s}},
+            ]
+        }
+
+    def _expired(self, now: int) -> dict[str, Any]:
+        return {
+            "$or": [
+                {"metadata.expires_at": {"$lte": now}},
+                {"metadata.expires_at": {"$exists": False}, "metadata.created_at": {"$lte": now - self.retention_s}},
+            ]
+        }
+
     async def get(self, tenant: str, file_id: str) -> dict[str, Any] | None:
-        document = await self.meta.find_one({"_id": file_id, "metadata.tenant": tenant})
-        return file_object(document) if document else None
+        query = {"_id": file_id, "metadata.tenant": tenant, **self._unexpired(int(time.time()))}
+        document = await self.meta.find_one(query)
+        return file_object(document, self.retention_s) if document else None
 
     async def list(self, tenant: str, purpose: str | None, limit: int, after: str | None) -> list[dict[str, Any]]:
         """Newest first (ids grow with time), those older than `after` when given."""
-        query: dict[str, Any] = {"metadata.tenant": tenant}
+        query: dict[str, Any] = {"metadata.tenant": tenant, **self._unexpired(int(time.time()))}
         if purpose:
             query["metadata.purpose"] = purpose
         found = []
@@ -71,7 +120,7 @@ class FileStore:
         # in GridFS's collection (a tenant's files are few enough to scan).
         async for document in self.meta.find(query).sort("_id", -1):
             if after is None or document["_id"] < after:
-                found.append(file_object(document))
+                found.append(file_object(document, self.retention_s))
                 if len(found) == limit:
                     break
         return found
@@ -83,16 +132,46 @@ class FileStore:
         return await stream.read()
 
     async def chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes] | None:
-        """The content in GridFS chunks (a large output file is not held in memory)."""
-        if await self.get(tenant, file_id) is None:
+        """The content in GridFS chunks, read one at a time: a large file is not held in
+        memory (GridFS's own download stream reads its chunks in cursor batches of up to
+        16 MiB)."""
+        document = await self.meta.find_one(
+            {"_id": file_id, "metadata.tenant": tenant, **self._unexpired(int(time.time()))}
+        )
+        if document is None:
             return None
-        stream = await self.bucket.open_download_stream(file_id)
+        length, size = int(document.get("length", 0)), int(document.get("chunkSize") or 1)
 
         async def chunks() -> AsyncIterator[bytes]:
-            while chunk := await stream.readchunk():
-                yield chunk
+            for n in range(-(-length // size)):
+                chunk = await self.chunks_collection.find_one({"files_id": file_id, "n": n})
+                if chunk is None:
+                    raise CorruptGridFile(f"file {file_id}: chunk {n} is missing")
+                yield bytes(chunk["data"])
 
         return chunks()
+
+    async def lines(self, tenant: str, file_id: str) -> AsyncIterator[bytes] | None:
+        """The content line by line (split at \\n, a \\r before it dropped; the last line
+        may lack its \\n), read chunk by chunk: what is held is one chunk and one line."""
+        chunks = await self.chunks(tenant, file_id)
+        if chunks is None:
+            return None
+
+        async def lines() -> AsyncIterator[bytes]:
+            pending: list[bytes] = []  # the start of a line that goes on in the next chunk
+            async for chunk in chunks:
+                start = 0
+                while (end := chunk.find(b"\n", start)) >= 0:
+                    pending.append(chunk[start:end])
+                    yield b"".join(pending).removesuffix(b"\r")
+                    pending, start = [], end + 1
+                if start < len(chunk):
+                    pending.append(chunk[start:])
+            if pending:
+                yield b"".join(pending).removesuffix(b"\r")
+
+        return lines()
 
     async def delete(self, tenant: str, file_id: str) -> bool:
         if await self.get(tenant, file_id) is None:
@@ -103,18 +182,42 @@ class FileStore:
             return False
         return True
 
+    async def sweep(self, now: float | None = None) -> int:
+        """Remove expired files (up to SWEEP_BATCH): chunks first, then the document, so a
+        sweep cut short leaves a document that the next one finds again. Gateways may
+        sweep at once: removing what is gone already is nothing. How many were removed."""
+        expired = self.meta.find(self._expired(int(now if now is not None else time.time())), {"_id": 1})
+        file_ids = [document["_id"] async for document in expired.limit(SWEEP_BATCH)]
+        for file_id in file_ids:
+            await self.chunks_collection.delete_many({"files_id": file_id})
+            await self.meta.delete_one({"_id": file_id})
+        return len(file_ids)
 
-def file_object(document: dict[str, Any]) -> dict[str, Any]:
+    async def sweep_forever(self, interval_s: float) -> None:
+        """sweep() every interval_s (supervised: a MongoDB away is waited out here)."""
+        while True:
+            try:
+                while (removed := await self.sweep()) > 0:
+                    log.info("removed %d expired files", removed)
+                    if removed < SWEEP_BATCH:
+                        break
+            except PyMongoError as exc:
+                log.warning("sweeping expired files failed (tried again in %.0fs): %s", interval_s, exc)
+            await asyncio.sleep(interval_s)
+
+
+def file_object(document: dict[str, Any], retention_s: int = DEFAULT_RETENTION_S) -> dict[str, Any]:
     metadata = document.get("metadata") or {}
+    created_at = int(metadata.get("created_at", 0))
     return {
         "id": document["_id"],
         "object": "file",
         "bytes": int(document.get("length", 0)),
-        "created_at": int(metadata.get("created_at", 0)),
+        "created_at": created_at,
         "filename": document.get("filename") or "",
         "purpose": metadata.get("purpose", ""),
         "status": "processed",
-        "expires_at": None,
+        "expires_at": int(metadata.get("expires_at", created_at + retention_s)),
         "status_details": None,
     }
 
@@ -133,19 +236,36 @@ async def upload_file(
     who: Annotated[Caller, Depends(caller)],
     file: Annotated[UploadFile, File()],
     purpose: Annotated[str, Form()],
+    anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+    seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
 ) -> dict[str, Any]:
     svc: Services = services(request)
     if purpose not in UPLOAD_PURPOSES:
         raise ApiError(
             400, "invalid_purpose", f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}", details={"param": "purpose"}
         )
+    if (anchor, seconds) != (None, None):
+        if anchor != "created_at":
+            raise ApiError(
+                400,
+                "invalid_expires_after",
+                "expires_after[anchor] must be created_at",
+                details={"param": "expires_after"},
+            )
+        if seconds is None or not MIN_EXPIRES_AFTER_S <= seconds <= MAX_EXPIRES_AFTER_S:
+            raise ApiError(
+                400,
+                "invalid_expires_after",
+                f"expires_after[seconds] must be between {MIN_EXPIRES_AFTER_S} and {MAX_EXPIRES_AFTER_S}",
+                details={"param": "expires_after"},
+            )
     size = file.size if file.size is not None else len(await file.read())
     await file.seek(0)
     if size == 0:
         raise ApiError(400, "empty_file", "the file is empty", details={"param": "file"})
     if size > svc.settings.max_file_bytes:
         raise ApiError(413, "file_too_large", f"a file may be at most {svc.settings.max_file_bytes} bytes")
-    return await svc.files.put(who.tenant, label(file.filename), purpose, file.file)
+    return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
 
 
 def label(filename: str | None) -> str:

@@ -1,9 +1,10 @@
 """JobStore: the request lifecycle on top of the scripts in scripts.py.
 
-submit -> (its tenant's queue) -> take [attempt n] -> emit* -> finish, with cancel and
-expiry from outside, leases renewed while a run lives, and reclaim / hand-over putting a
-running request back at the front of the line. A run holds its attempt number (its
-fence) from start to finish.
+submit -> (its tenant's queue) -> take [attempt n, run token] -> emit* -> finish, with
+cancel and expiry from outside, leases renewed while a run lives (dispatch/leases.py), and
+reclaim / hand-over putting a running request back at the front of the line. A run holds
+its run token (its fence, random: see scripts.py) from start to finish; its attempt
+number is for display, resuming and the delivery limit (which leaves hand-overs out).
 
 Durability across a failover (REDIS_WAIT_REPLICAS): SUBMIT and FINISH (whose record
 feeds the binders) are followed by WAIT on the same connection. A submission that fewer
@@ -12,7 +13,9 @@ the primary only, and a failover now would lose it. Its request stays where it i
 runs, if the primary lives on): resent with the same Idempotency-Key it is found again,
 not queued twice. A finish that was not confirmed is logged: nothing waits on its answer
 (a failover that loses it leaves the run to be reclaimed and finished again, and the
-binder stores a request once)."""
+binder stores a request once). A SUBMIT or FINISH replayed on a new connection (the
+client retries after a lost reply) that finds its own earlier write makes a write all the
+same, so the WAIT after it covers the write it found (scripts.py)."""
 
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ class Submitted:
     existing: list[tuple[str, str]] = field(default_factory=list)
     reason: str = ""  # full: backlog, batch, bytes or tenant
     count: int = 0
+    run: str = ""  # started: the run's token (its fence)
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,10 @@ def _standing(reply: list[Any] | None) -> QueueStanding | None:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Pieces [index, index + count) of run `attempt` of a request, as one token event."""
+    """Pieces [index, index + count) of a request's run (its token), as one token event."""
 
     request_id: str
-    attempt: int
+    run: str
     index: int
     text: str
     count: int
@@ -152,6 +156,13 @@ class Job:
     replica: str | None = None
     # Token ids already emitted by earlier runs (engine path), to resume from.
     emitted_ids: list[int] = field(default_factory=list)
+    run: str = ""  # the current run's token (its fence); '' while it has not run
+    handovers: int = 0  # runs handed on by a draining gateway (no failed delivery)
+
+    @property
+    def deliveries(self) -> int:
+        """Starts that count against the delivery limit: attempts less hand-overs."""
+        return self.attempts - self.handovers
 
     @classmethod
     def from_hash(cls, request_id: str, h: dict[str, str], tokens: str = "") -> Job:
@@ -171,6 +182,8 @@ class Job:
             band=h.get("band", "normal"),
             replica=h.get("replica"),
             emitted_ids=[int(t) for t in tokens.split(",") if t],
+            run=h.get("run", ""),
+            handovers=int(h.get("handovers", 0)),
         )
 
     @property
@@ -228,6 +241,14 @@ class Job:
         if prompt is None or status == State.SUCCEEDED:
             return None
         return Usage(prompt_tokens=int(prompt), completion_tokens=0)
+
+
+def renew_args(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> list[Any]:
+    """RENEW's arguments: the leases of (request id, run token) runs end lease_ms from now."""
+    args: list[Any] = [shard.prefix, consumer, int(time.time() * 1000) + lease_ms]
+    for request_id, run in runs:
+        args += [request_id, run]
+    return args
 
 
 class _Script(AsyncScript):
@@ -316,8 +337,9 @@ class JobStore:
     ) -> Submitted:
         """Queue requests of one tenant and model, all or none. With one request and
         start_as (this process's consumer), it starts at once if nothing of its model waits
-        in its shard (outcome "started")."""
+        in its shard (outcome "started", with the run's token)."""
         shard = shard_of(requests[0].request_id)
+        run = secrets.token_hex(8) if start_as and len(requests) == 1 else ""
         args: list[Any] = [
             shard.prefix,
             model,
@@ -338,6 +360,7 @@ class JobStore:
             "1" if light_only else "0",
             len(requests),
             admission.tenant_share,
+            run,
         ]
         for new in requests:
             idem = new.idempotency
@@ -352,21 +375,25 @@ class JobStore:
         reply, missing = await self._replicated(self._submit, [shard.request(requests[0].request_id)], args)
         outcome = reply[0]
         if missing and outcome in ("accepted", "started"):
-            await self._not_replicated(requests, start_as if outcome == "started" else "", missing)
+            await self._not_replicated(requests, (start_as, run) if outcome == "started" else None, missing)
         if outcome == "existing":
             found = [json.loads(value) for value in reply[1:]]
             return Submitted("existing", existing=[(f["id"], f["hash"]) for f in found])
         if outcome == "full":
             return Submitted("full", reason=reply[1], count=int(reply[2] or 0))
-        return Submitted(outcome)
+        return Submitted(outcome, run=run if outcome == "started" else "")
 
-    async def _not_replicated(self, requests: list[NewRequest], started_for: str, missing: int) -> None:
+    async def _not_replicated(
+        self, requests: list[NewRequest], started_for: tuple[str, str] | None, missing: int
+    ) -> None:
         """Refuse a submission that too few replicas confirmed; one SUBMIT started for this
-        process goes to the front of the line for any dispatcher (nobody here will run it)."""
+        process (consumer, run token) goes to the front of the line for any dispatcher
+        (nobody here will run it)."""
         ids = [new.request_id for new in requests]
-        if started_for:
+        if started_for is not None:
+            consumer, run = started_for
             try:
-                await self.handover(started_for, ids)
+                await self.handover(consumer, [(ids[0], run)])
             except Exception as exc:  # its lease runs out instead
                 log.warning("handing on unreplicated %s failed: %s", ids[0], exc)
         assert self.replication is not None
@@ -374,8 +401,9 @@ class JobStore:
         raise NotReplicated(wanted - missing, wanted, timeout_ms, ids)
 
     async def take(self, shard: Shard, model: str, consumer: str, *, light_only: bool = False) -> Job | str:
-        """Start the next request of `model` in the shard for this consumer: the Job, or
-        "empty" (nothing waits) or "held" (only tenants outside the headroom wait)."""
+        """Start the next request of `model` in the shard for this consumer: the Job (its
+        `run` the new run's token), or "empty" (nothing waits) or "held" (only tenants
+        outside the headroom wait)."""
         reply = await self._take(
             keys=[shard.backlog],
             args=[
@@ -432,9 +460,9 @@ class JobStore:
         found = await self.redis.xrange(shard.results, entry, entry)
         return found[0][1].get("record") if found else None
 
-    async def emit(self, request_id: str, attempt: int, index: int, text: str, count: int, ids: list[int]) -> Emitted:
-        """Publish pieces [index, index + count) of run `attempt` as one token event."""
-        event = TokenEvent(request_id, attempt, index, text, count, ids)
+    async def emit(self, request_id: str, run: str, index: int, text: str, count: int, ids: list[int]) -> Emitted:
+        """Publish pieces [index, index + count) of the run with token `run` as one token event."""
+        event = TokenEvent(request_id, run, index, text, count, ids)
         (emitted,) = await self.emit_many(shard_of(request_id), [event])
         return emitted
 
@@ -442,34 +470,36 @@ class JobStore:
         """Token events of several runs of one shard, in one call."""
         args: list[Any] = [shard.prefix]
         for e in events:
-            args += [e.request_id, e.attempt, e.index, e.text, e.count, "".join(f"{t}," for t in e.ids)]
+            args += [e.request_id, e.run, e.index, e.text, e.count, "".join(f"{t}," for t in e.ids)]
         reply = await self._emit(keys=[shard.leases], args=args)
         return [
             Emitted(str(reply[i]), str(reply[i + 1] or ""), int(reply[i + 2] or 0)) for i in range(0, len(reply), 3)
         ]
 
-    async def renew(self, shard: Shard, consumer: str, runs: list[tuple[str, int]]) -> list[int]:
-        """Renew the leases of (request id, attempt) runs in a shard: per run 1 still ours,
-        2 asked to cancel, 0 stale."""
+    async def renew(self, shard: Shard, consumer: str, runs: list[tuple[str, str]]) -> list[int]:
+        """Renew the leases of (request id, run token) runs in a shard: per run 1 still
+        ours, 2 asked to cancel, 0 stale. (The dispatcher renews from a thread of its own:
+        dispatch/leases.py, with the same arguments.)"""
         if not runs:
             return []
-        args: list[Any] = [shard.prefix, consumer, self._lease_end()]
-        for request_id, attempt in runs:
-            args += [request_id, attempt]
-        return [int(flag) for flag in await self._renew(keys=[shard.leases], args=args)]
+        return [
+            int(flag)
+            for flag in await self._renew(keys=[shard.leases], args=renew_args(shard, consumer, self.lease_ms, runs))
+        ]
 
     async def reclaim(self, shard: Shard, limit: int = 200) -> int:
         """Put running requests whose lease ran out back at the front of the line."""
         return int(await self._reclaim(keys=[shard.leases], args=[shard.prefix, int(time.time() * 1000), limit]))
 
-    async def handover(self, consumer: str, request_ids: list[str]) -> int:
-        """Hand this consumer's running requests on to other dispatchers at once."""
+    async def handover(self, consumer: str, runs: list[tuple[str, str]]) -> int:
+        """Hand this consumer's running requests, (request id, run token), on to other
+        dispatchers at once; a hand-over does not count against the delivery limit."""
         by_shard: dict[Shard, list[str]] = {}
-        for request_id in request_ids:
-            by_shard.setdefault(shard_of(request_id), []).append(request_id)
+        for request_id, run in runs:
+            by_shard.setdefault(shard_of(request_id), []).extend((request_id, run))
         moved = 0
-        for shard, ids in by_shard.items():
-            moved += int(await self._handover(keys=[shard.leases], args=[shard.prefix, consumer, *ids]))
+        for shard, pairs in by_shard.items():
+            moved += int(await self._handover(keys=[shard.leases], args=[shard.prefix, consumer, *pairs]))
         return moved
 
     async def finish(
@@ -477,12 +507,12 @@ class JobStore:
         record: ResultRecord,
         *,
         allowed: tuple[State, ...] = (State.RUNNING,),
-        attempt: int | None = None,
+        run: str | None = None,
         output_event: bool = False,
         emitted: int | None = None,
     ) -> str | int | None:
         """Record the terminal state once; returns the record's JSON, None if the request
-        was not in an allowed state (or `attempt` is no longer the current run), or the
+        was not in an allowed state (or `run`, a run token, is no longer the current run), or the
         number of pieces its stream holds when that is fewer than `emitted` (a gap: the
         caller sends the missing pieces, then finishes again)."""
         data = record.model_dump_json()
@@ -501,7 +531,7 @@ class JobStore:
                 self.live_state_ttl_s,
                 ",".join(s.value for s in allowed),
                 "1" if output_event else "",
-                "" if attempt is None else attempt,
+                "" if run is None else run,
                 DONE_CHANNEL,
                 "" if emitted is None else emitted,
             ],

@@ -6,10 +6,19 @@ key prefix, from which the script names the other keys it touches; all of them c
 shard's hash tag, so they live in the same slot.
 
 Each script is atomic and idempotent: replayed after a lost reply (the client retries on
-connection errors) it changes nothing more. Runs are fenced by their attempt number:
-TAKE (or SUBMIT, starting at once) hands one out, and EMIT, RENEW and FINISH refuse a
-stale one, so a dispatcher that lost its request to another can neither publish nor
-finish it.
+connection errors) it changes nothing more. A replay of SUBMIT or FINISH that finds its
+own earlier write still makes a write (`sync`, a key of the shard that lives a second):
+the WAIT that follows it on the new connection then covers the write it found (WAIT
+counts only the writes of its own connection; a connection that wrote nothing would be
+confirmed at once, whatever the replicas hold).
+
+Runs are fenced by a random run token: TAKE (or SUBMIT, starting at once) writes the
+run's token into the request's hash (`run`), and EMIT, RENEW, HANDOVER and FINISH refuse
+any other, so a dispatcher that lost its request to another can neither publish, nor
+keep, hand on or finish it. The attempt number (`attempts`, one more at each start) is
+for display, resuming and the delivery limit only: after a failover that lost a TAKE it
+is handed out again, a token never is. A hand-over (a draining gateway passing its run
+on) is counted apart (`handovers`): the delivery limit counts attempts less hand-overs.
 
 The queue: a request waits in its tenant's list `q:<model>:<band>:<tenant>`; tenants with
 waiting work are members of `ready:<model>:<band>`, scored by virtual time (start-time
@@ -63,6 +72,9 @@ local function counters(band, tenant)
   if band == 'batch' then return 'batch', 'b:' .. tenant end
   return 'all', 't:' .. tenant
 end
+-- A replay that found its own earlier write writes this (it changes nothing), so that
+-- the WAIT after the script on this connection covers the write it found.
+local function sync() redis.call('SET', P .. 'sync', '1', 'PX', 1000) end
 """
 
 # KEYS[1]: the (first) request's hash.
@@ -70,8 +82,9 @@ end
 #   max backlog bytes, tenant's max queued (0 = none), tenant's reserve, weight, max concurrent,
 #   consumer to start it at once ('' = queue it), lease end (ms), running event data,
 #   light only ('1': start at once only if the tenant runs nothing of this model),
-#   K (requests), then per request: id, payload, created_at, deadline,
-#   idempotency key suffix ('' = none), idempotency value
+#   K (requests), tenant's share, run token (of the run started at once), then per
+#   request: id, payload, created_at, deadline, idempotency key suffix ('' = none),
+#   idempotency value
 # Returns {'accepted'}, {'started'}, {'existing', value per request} or
 # {'full', reason, count}. The K requests are admitted together or not at all.
 #
@@ -85,11 +98,12 @@ SUBMIT = (
     _HELPERS
     + """
 local model, tenant, band, now, consumer = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[14]
-local k = tonumber(ARGV[18])
-local function field(i, n) return ARGV[19 + (i - 1) * 6 + n] end
-local h = redis.call('HMGET', KEYS[1], 'state', 'owner', 'attempts')
+local k, run = tonumber(ARGV[18]), ARGV[20]
+local function field(i, n) return ARGV[20 + (i - 1) * 6 + n] end
+local h = redis.call('HMGET', KEYS[1], 'state', 'run')
 if h[1] then  -- this very call, replayed after a lost reply
-  if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == consumer and h[3] == '1' then return {'started'} end
+  sync()
+  if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == run then return {'started'} end
   return {'accepted'}
 end
 local existing = {'existing'}
@@ -99,7 +113,10 @@ for i = 1, k do
     if previous then existing[#existing + 1] = previous end
   end
 end
-if #existing > 1 then return existing end
+if #existing > 1 then
+  sync()  -- the answer is the earlier submission: the WAIT covers it
+  return existing
+end
 local total_field, tenant_field = counters(band, tenant)
 local c = redis.call('HMGET', P .. 'backlog', total_field, 'bytes', tenant_field, 'm:' .. model)
 local total, bytes, mine, waiting = num(c[1]), num(c[2]), num(c[3]), num(c[4])
@@ -139,7 +156,7 @@ for i = 1, k do
     redis.call('SET', P .. 'idem:' .. tenant .. ':' .. field(i, 5), field(i, 6), 'EX', ARGV[6])
   end
   if start_now then
-    redis.call('HSET', req, 'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer)
+    redis.call('HSET', req, 'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run)
     redis.call('HINCRBY', P .. 'running', 't:' .. tenant, 1)
     redis.call('HINCRBY', P .. 'running', 'm:' .. model .. ':' .. tenant, 1)
     redis.call('HINCRBY', P .. 'started', model, 1)
@@ -160,9 +177,9 @@ return {'accepted'}
 )
 
 # KEYS[1]: the shard's backlog hash.
-# ARGV: prefix, model, consumer, now, lease end (ms), take token, light only ('1': only a
-#   tenant that runs nothing of this model now, the headroom kept for light tenants),
-#   token ttl (s)
+# ARGV: prefix, model, consumer, now, lease end (ms), take token (random: the started run's
+#   token too, its fence), light only ('1': only a tenant that runs nothing of this model
+#   now, the headroom kept for light tenants), token ttl (s)
 # Returns {'run', id, request hash, token ids}, {'empty'} or {'held'} (work waits, but only
 # for tenants that are not light: the headroom is kept).
 TAKE = (
@@ -196,7 +213,7 @@ local function start(rid, restarted)
     redis.call('HINCRBY', P .. 'started', model, 1)
   end
   local attempt = redis.call('HINCRBY', req, 'attempts', 1)
-  redis.call('HSET', req, 'state', 'running', 'started_at', now, 'owner', consumer)
+  redis.call('HSET', req, 'state', 'running', 'started_at', now, 'owner', consumer, 'run', token)
   redis.call('ZADD', P .. 'leases', ARGV[5], rid)
   redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
     cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
@@ -253,7 +270,7 @@ return {'empty'}
 """
 )
 
-# KEYS[1]: a key of the shard.  ARGV: prefix, then per token event: request id, attempt,
+# KEYS[1]: a key of the shard.  ARGV: prefix, then per token event: request id, run token,
 #   index of the first piece, text, piece count, token ids ('1,2,3,' or '')
 # Token events of several runs of a shard in one call (TokenRelay sends what every stream
 # of the process produced in a window). Returns per event {outcome, event id, pieces
@@ -264,14 +281,14 @@ EMIT = """
 local P = ARGV[1]
 local out = {}
 for i = 2, #ARGV, 6 do
-  local id, attempt, index, text, count, ids = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3],
+  local id, run, index, text, count, ids = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3],
     tonumber(ARGV[i + 4]), ARGV[i + 5]
   local req = P .. 'req:' .. id
-  local h = redis.call('HMGET', req, 'state', 'attempts', 'emitted', 'cancel')
+  local h = redis.call('HMGET', req, 'state', 'run', 'emitted', 'cancel')
   local emitted = tonumber(h[3] or '0')
   local outcome = h[4] == '1' and 'cancel' or 'ok'
   local event = ''
-  if h[1] ~= 'running' or h[2] ~= attempt then
+  if h[1] ~= 'running' or h[2] ~= run then
     outcome, emitted = 'stale', 0
   elseif index + count <= emitted then
     -- a replay: already there
@@ -292,14 +309,14 @@ return out
 """
 
 # KEYS[1]: the shard's leases.  ARGV: prefix, consumer, lease end (ms), then pairs of
-#   request id and the attempt its run holds.
+#   request id and its run's token.
 # Renews the leases of the runs still ours; returns per run: 1 still ours, 2 ours but
 # asked to cancel, 0 stale (another run took over, or it was handed on).
 RENEW = """
 local P = ARGV[1]
 local out = {}
 for i = 4, #ARGV, 2 do
-  local h = redis.call('HMGET', P .. 'req:' .. ARGV[i], 'state', 'attempts', 'cancel', 'owner')
+  local h = redis.call('HMGET', P .. 'req:' .. ARGV[i], 'state', 'run', 'cancel', 'owner')
   if h[1] ~= 'running' or h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[2] then
     out[#out + 1] = 0
   else
@@ -331,18 +348,21 @@ for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
 return #due
 """
 
-# KEYS[1]: the shard's leases.  ARGV: prefix, consumer, then request ids.
+# KEYS[1]: the shard's leases.  ARGV: prefix, consumer, then pairs of request id and its
+#   run's token.
 # A stopping dispatcher hands its running requests on: each goes to the front of the line
-# at once (no lease to wait out), if it is still running and still ours.
+# at once (no lease to wait out), if it is still running and still this run's. A hand-over
+# is counted (`handovers`): it is no failed delivery, the delivery limit leaves it out.
 HANDOVER = """
 local P = ARGV[1]
 local moved = 0
 local woken = {}
-for i = 3, #ARGV do
+for i = 3, #ARGV, 2 do
   local req = P .. 'req:' .. ARGV[i]
-  local h = redis.call('HMGET', req, 'state', 'model', 'owner')
-  if h[1] == 'running' and h[3] == ARGV[2] then
+  local h = redis.call('HMGET', req, 'state', 'model', 'owner', 'run')
+  if h[1] == 'running' and h[3] == ARGV[2] and h[4] == ARGV[i + 1] then
     redis.call('HDEL', req, 'owner')
+    redis.call('HINCRBY', req, 'handovers', 1)
     redis.call('ZREM', KEYS[1], ARGV[i])
     redis.call('RPUSH', P .. 'reclaimed:' .. h[2], ARGV[i])
     woken[h[2]] = true
@@ -355,25 +375,27 @@ return moved
 
 # KEYS[1]: the request hash.
 # ARGV: prefix, id, status, record, finished_at, terminal event, ttl, allowed states (a,b),
-#   '1' for an `output` event (the whole outputs, when they were not streamed), attempt
+#   '1' for an `output` event (the whole outputs, when they were not streamed), run token
 #   ('' = not a run: cancel, expiry), done channel, pieces the run emitted ('' = not a
 #   streamed run)
-# Returns {1} when applied, {0} when the request was not in an allowed state (or the
-# attempt is stale), {'gap', emitted} when the stream holds fewer pieces than the run
-# sent (Redis lost writes: send them again first).
+# Returns {1} when applied, {0} when the request was not in an allowed state (or the run
+# is stale), {'gap', emitted} when the stream holds fewer pieces than the run sent (Redis
+# lost writes: send them again first). {0} writes `sync`: it may be this very call,
+# replayed after a lost reply, and the WAIT after it must cover the finish it found.
 FINISH = (
     _HELPERS
     + """
 local req, id = KEYS[1], ARGV[2]
-local h = redis.call('HMGET', req, 'state', 'attempts', 'model', 'band', 'tenant', 'size', 'owner', 'emitted')
+local h = redis.call('HMGET', req, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted')
 local state = h[1]
-if not state then return {0} end
 local allowed = false
 for s in string.gmatch(ARGV[8], '[^,]+') do
   if s == state then allowed = true end
 end
-if not allowed then return {0} end
-if ARGV[10] ~= '' and h[2] ~= ARGV[10] then return {0} end
+if not allowed or (ARGV[10] ~= '' and h[2] ~= ARGV[10]) then
+  sync()
+  return {0}
+end
 if ARGV[12] ~= '' and num(h[8]) < num(ARGV[12]) then return {'gap', num(h[8])} end
 local model, band, tenant = h[3], h[4], h[5]
 if state == 'queued' then

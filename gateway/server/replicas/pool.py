@@ -7,7 +7,13 @@ ejected at once and comes back when a probe finds it healthy again (its channel
 reconnects within a second, so a restarted Triton is used again within a probe interval
 of being ready). A replica that only answers probes late (busy) stays in until it misses
 several in a row: load is not a fault. The set of replicas can change while
-running (DNS discovery): new addresses join, gone ones leave once idle."""
+running (DNS discovery): new addresses join, gone ones leave once idle.
+
+A gateway keeps at most REPLICA_MAX_INFLIGHT requests of a model in flight on a replica,
+and no more than the model's engine can run beside what the other gateways keep there
+(`engine_limits`, from the engine's own metrics: routing/load.py). The rest wait in the
+fair queue, so which tenant's request runs next is decided there, not by the engine's
+FIFO."""
 
 from __future__ import annotations
 
@@ -55,15 +61,22 @@ class Replica:
     removed: bool = False
     # Probes in a row that timed out (a busy server answers late: not a fault by itself).
     slow_probes: int = 0
+    # Per Triton model whose engine reports its capacity: how many of this gateway's
+    # requests it can run now (its capacity less what the other gateways keep there).
+    engine_limits: dict[str, int] = field(default_factory=dict)
 
     def serves(self, model: str) -> bool:
         return self.healthy and not self.removed and model in self.ready_models
 
+    def limit(self, model: str) -> int:
+        engine = self.engine_limits.get(model)
+        return self.max_inflight if engine is None else min(self.max_inflight, engine)
+
     def has_room(self, model: str) -> bool:
-        return self.busy.get(model, 0) < self.max_inflight
+        return self.busy.get(model, 0) < self.limit(model)
 
     def free(self, model: str) -> int:
-        return max(0, self.max_inflight - self.busy.get(model, 0))
+        return max(0, self.limit(model) - self.busy.get(model, 0))
 
 
 class ReplicaPool:
@@ -208,6 +221,13 @@ class ReplicaPool:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    async def limits_changed(self) -> None:
+        """A replica's engine_limits were set again: waiters look once more."""
+        await self._notify()
+
+    def get(self, url: str) -> Replica | None:
+        return next((r for r in self.replicas if r.url == url and not r.removed), None)
 
     def free_slots(self, model: str) -> int:
         """Room for more requests of this model on the replicas serving it."""

@@ -2,7 +2,15 @@
 engine's request counts and KV-cache blocks (TensorRT-LLM's nv_trt_llm_* families,
 which the CPU stand-in reports too) and Triton's pending requests per model. Between
 scrapes the load of this gateway's own requests is known exactly (routed minus ended),
-and the scrape adds what the other gateways have there."""
+and the scrape adds what the other gateways have there.
+
+Each scrape also sets the replica's engine limits: for every Triton model that reports
+its capacity (`nv_trt_llm_request_metrics{request_type="max"}`: how many requests its
+engine runs at once), how many of this gateway's requests it can run beside the other
+gateways' (capacity less their scheduled and waiting requests, at least one). The pool
+keeps this gateway's requests within it, so the gateways together keep about what the
+engine runs (a scrape interval can add a few), and the fair queue, not the engine's FIFO,
+orders the rest. A scrape that fails drops the limits (REPLICA_MAX_INFLIGHT alone)."""
 
 from __future__ import annotations
 
@@ -27,6 +35,9 @@ class ReplicaLoad:
     max_blocks: float = 0.0
     reused_blocks: float = 0.0
     pending: dict[str, float] = field(default_factory=dict)  # Triton model -> queued requests
+    # Triton model -> requests its engine runs at once, and those it has (scheduled + waiting).
+    capacity: dict[str, float] = field(default_factory=dict)
+    engine_requests: dict[str, float] = field(default_factory=dict)
     scraped_at: float = 0.0
     # This gateway's own requests on the replica, exact and at once (routed minus ended);
     # the scrape tells what the other gateways add: what it saw beyond our own then.
@@ -65,10 +76,13 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
 def parse(text: str) -> ReplicaLoad:
     load = ReplicaLoad(scraped_at=time.monotonic())
     requests: dict[str, float] = {}
+    per_model: dict[str, dict[str, float]] = {}
     for name, labels, value in samples(text):
         if name == "nv_trt_llm_request_metrics":
             kind = labels.get("request_type", "")
             requests[kind] = requests.get(kind, 0.0) + value
+            if "model" in labels:
+                per_model.setdefault(labels["model"], {})[kind] = value
         elif name == "nv_trt_llm_kv_cache_block_metrics":
             block = labels.get("kv_cache_block_type")
             if block == "used":
@@ -79,12 +93,19 @@ def parse(text: str) -> ReplicaLoad:
                 load.reused_blocks += value
         elif name == "nv_inference_pending_request_count" and "model" in labels:
             load.pending[labels["model"]] = value
-    # Requests in the engine: scheduled (context and generation) plus waiting to be.
-    if "scheduled" in requests or "waiting" in requests:
-        load.requests = requests.get("scheduled", 0.0) + requests.get("waiting", 0.0)
-    else:
-        load.requests = requests.get("active", 0.0)
+    load.requests = _in_engine(requests)
+    for model, kinds in per_model.items():
+        if kinds.get("max", 0.0) > 0:
+            load.capacity[model] = kinds["max"]
+            load.engine_requests[model] = _in_engine(kinds)
     return load
+
+
+def _in_engine(kinds: dict[str, float]) -> float:
+    """Requests in an engine: scheduled (context and generation) plus waiting to be."""
+    if "scheduled" in kinds or "waiting" in kinds:
+        return kinds.get("scheduled", 0.0) + kinds.get("waiting", 0.0)
+    return kinds.get("active", 0.0)
 
 
 class LoadTracker:
@@ -142,11 +163,25 @@ class LoadTracker:
         url = self.metrics_url(replica)
         if url is None:
             return
+        pooled = self.pool.get(replica)
+        own = dict(pooled.busy) if pooled is not None else {}  # ours in flight as the engine counts
         try:
             response = await self._http.get(url)
+            response.raise_for_status()
             fresh = parse(response.text)
         except Exception:
+            if pooled is not None and pooled.engine_limits:
+                pooled.engine_limits = {}
+                await self.pool.limits_changed()
             return
+        if pooled is not None:
+            limits = {
+                model: max(1, int(capacity - max(0.0, fresh.engine_requests.get(model, 0.0) - own.get(model, 0))))
+                for model, capacity in fresh.capacity.items()
+            }
+            if limits != pooled.engine_limits:
+                pooled.engine_limits = limits
+                await self.pool.limits_changed()
         previous = self.loads.get(replica)
         if previous is not None:
             fresh.own_requests, fresh.own_blocks = previous.own_requests, previous.own_blocks

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from prometheus_client import Counter, Histogram
 
 from gateway.protocol import Route
+from gateway.protocol.records import replica_name
 from gateway.server.models import ModelAdapter
 from gateway.server.models.llm_engine import EngineLlmAdapter, EngineRequest
 from gateway.server.replicas import Replica, ReplicaPool
@@ -131,7 +132,7 @@ class Router:
                     reason = "cache_key"
             load = self.loads.get(replica.url)
             chosen["route"] = Route(
-                replica=replica.url,
+                replica=replica_name(replica.url),
                 policy=policy,
                 reason=reason,
                 matched_blocks=matches.get(replica.url, 0),
@@ -179,7 +180,9 @@ class Router:
             offset = next(self._rotation) % len(candidates)
             rotated = candidates[offset:] + candidates[:offset]
             replica = min(rotated, key=load)
-            chosen["route"] = Route(replica=replica.url, policy="load", reason="load", load=round(load(replica), 2))
+            chosen["route"] = Route(
+                replica=replica_name(replica.url), policy="load", reason="load", load=round(load(replica), 2)
+            )
             self.decisions.labels(adapter.name, "load", "load").inc()
             return replica
 

@@ -29,13 +29,13 @@ def _with_keys(work: Callable[[Any], Awaitable[T]]) -> T:
 
     settings = ServiceSettings()
 
-    async def announce() -> None:
-        """Tell the running gateways (through Redis) to drop their key caches."""
+    async def announce(key_id: str) -> None:
+        """Tell the running gateways (through Redis) to drop the key from their caches."""
         redis = RedisClients.open(
             url=settings.redis_url, cluster_nodes=settings.redis_cluster_nodes, timeout_s=2.0, max_connections=8
         )
         try:
-            await announcer(redis)()
+            await announcer(redis)(key_id)
         except Exception as exc:
             why = type(exc).__name__
             typer.echo(f"warning: Redis not reachable ({why}); gateways forget the key within 10 s", err=True)

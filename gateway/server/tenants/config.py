@@ -1,25 +1,28 @@
 """Each tenant's weight (its share under contention) and limits, in MongoDB's `tenants`
 collection; a tenant without a document gets the defaults from settings, and so does each
-limit its document does not set. Cached for a few seconds in every gateway.
+limit its document does not set. Cached in every gateway and read again behind the
+callers once a few seconds old (tenants/refreshing.py): a slow or absent MongoDB does not
+slow or fail the requests of a tenant already known.
 
 A change sets the fields it names and keeps the others (`update`): setting a tenant's
 limits leaves its webhook secrets and endpoint alone, and setting one limit the others."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pydantic import BaseModel, Field
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import PyMongoError
 
 from gateway.protocol.records import TENANTS_COLLECTION
+from gateway.server.tenants.refreshing import RefreshingCache
 
 # Limits are stored as MongoDB int64 and passed to Lua (doubles): a billion is far beyond
 # any real limit and well inside both.
 LIMIT_MAX = 10**9
+# Tenants whose settings a gateway keeps in memory.
+MAX_CACHED_TENANTS = 100_000
 
 
 class TenantLimits(BaseModel):
@@ -56,30 +59,22 @@ class TenantStore:
         self.collection: AsyncCollection = client[database][TENANTS_COLLECTION]
         self.defaults = defaults
         self.cache_s = cache_s
-        self._cache: dict[str, tuple[float, TenantConfig]] = {}
+        self._cache: RefreshingCache[str, TenantConfig] = RefreshingCache(fresh_s=cache_s, maxsize=MAX_CACHED_TENANTS)
 
     def cached(self, tenant: str) -> TenantConfig | None:
         """What is known without a read (for the scheduler's hot path)."""
-        found = self._cache.get(tenant)
-        return found[1] if found else None
+        return self._cache.peek(tenant)
 
     async def get(self, tenant: str) -> TenantConfig:
-        now = time.monotonic()
-        found = self._cache.get(tenant)
-        if found is not None and now - found[0] < self.cache_s:
-            return found[1]
-        try:
+        async def read() -> TenantConfig:
             document = await self.collection.find_one({"_id": tenant})
-        except PyMongoError:
-            if found is not None:  # MongoDB is down: what was known still holds
-                return found[1]
-            raise
-        if document is None:
-            config = TenantConfig(tenant=tenant, limits=self.defaults)
-        else:
+            if document is None:
+                return TenantConfig(tenant=tenant, limits=self.defaults)
             limits = {**self.defaults.model_dump(), **(document.get("limits") or {})}
-            config = TenantConfig.model_validate({**document, "tenant": tenant, "limits": limits})
-        self._cache[tenant] = (now, config)
+            return TenantConfig.model_validate({**document, "tenant": tenant, "limits": limits})
+
+        config = await self._cache.get(tenant, read)
+        assert config is not None  # read() always answers a config
         return config
 
     async def update(self, tenant: str, fields: dict[str, Any]) -> TenantConfig:
@@ -91,5 +86,5 @@ class TenantStore:
             # ($set with upsert, not replace_one: the local MongoDB-wire server ignores an
             # upserting replace. One $set: concurrent changes of other fields are kept.)
             await self.collection.update_one({"_id": tenant}, {"$set": changes}, upsert=True)
-        self._cache.pop(tenant, None)
+        self._cache.drop(tenant)
         return await self.get(tenant)

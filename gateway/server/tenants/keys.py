@@ -5,31 +5,33 @@ in constant time, never logged. Each key belongs to a tenant and has a role: `us
 `operator` (manages every tenant and the deployment; `gateway keys create --operator`, and
 the local stack's own key).
 
-Verified keys are cached for a few seconds, so a MongoDB outage does not lock out recent
-callers. A revocation is announced on Redis pub/sub (`keys:changed`): every gateway
-drops its cache at once (and whenever its subscription reconnects, since a message may
-have been missed then), so a revoked key stops working everywhere within moments and is
-not brought back by an outage. Keys that were not found are cached apart, in a bounded
-LRU: a flood of random keys cannot push out the keys of real callers."""
+Verified keys are cached (tenants/refreshing.py): a key verified before is answered from
+memory, and read again behind the callers once its entry is older than a few seconds, so
+a slow or absent MongoDB neither fails nor slows the requests of known keys. A revocation
+or role change is announced on Redis pub/sub (`keys:changed`, naming the key): every
+gateway drops that key at once (and all keys whenever its subscription reconnects, since a
+message may have been missed then), so a revoked key stops working everywhere within
+moments and is not brought back by an outage or by a verification that was in flight.
+Keys that were not found are cached apart, in a bounded LRU: a flood of random keys cannot
+push out the keys of real callers."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
-import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from cachetools import TTLCache
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import PyMongoError
 
 from gateway.common.redis import RedisClients
 from gateway.protocol.redis_keys import KEYS_CHANNEL
+from gateway.server.tenants.refreshing import RefreshingCache
 
 KEYS_COLLECTION = "api_keys"
 PREFIX = "tgw_"
@@ -80,18 +82,22 @@ class KeyStore:
         database: str,
         *,
         cache_s: float = 10.0,
-        announce: Callable[[], Awaitable[None]] | None = None,
+        announce: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
-        """announce(): tell every process that keys changed (a revocation)."""
+        """announce(key id): tell every process that this key changed (a revocation)."""
         self.collection: AsyncCollection = client[database][KEYS_COLLECTION]
         self.cache_s = cache_s
         self.announce = announce
-        self._valid: OrderedDict[str, tuple[float, KeyInfo]] = OrderedDict()
-        self._missing: OrderedDict[str, float] = OrderedDict()
+        # By the SHA-256 of the whole key: the cache never holds a key in the clear.
+        self._valid: RefreshingCache[str, KeyInfo] = RefreshingCache(fresh_s=cache_s, maxsize=MAX_CACHED_KEYS)
+        self._missing: TTLCache[str, bool] = TTLCache(MAX_CACHED_MISSES, ttl=max(cache_s, 1e-3))
 
-    def forget(self) -> None:
-        """Drop every cached verification (a key changed somewhere)."""
-        self._valid.clear()
+    def forget(self, key_id: str | None = None) -> None:
+        """Drop the cached verifications of one key, or of every key (None)."""
+        if key_id is None:
+            self._valid.clear()
+        else:
+            self._valid.drop_where(lambda info: info.key_id == key_id)
         self._missing.clear()
 
     async def create(self, tenant: str, role: Role = "user", name: str = "") -> tuple[KeyInfo, str]:
@@ -113,36 +119,26 @@ class KeyStore:
         return info, f"{PREFIX}{key_id}_{secret}"
 
     async def verify(self, token: str) -> KeyInfo | None:
-        """The key's info, or None for a key that is unknown, wrong or revoked."""
+        """The key's info, or None for a key that is unknown, wrong or revoked. Raises
+        PyMongoError only for a key not cached while MongoDB cannot be read."""
         parts = split(token)
         if parts is None:
             return None
         key_id, secret = parts
-        now = time.monotonic()
-        cache_key = _hash(token)  # the cache never holds a key in the clear
-        valid = self._valid.get(cache_key)
-        if valid is not None and now - valid[0] < self.cache_s:
-            self._valid.move_to_end(cache_key)
-            return valid[1]
-        missed = self._missing.get(cache_key)
-        if missed is not None and now - missed < self.cache_s:
+        cache_key = _hash(token)
+        if cache_key in self._missing:
             return None
-        try:
+
+        async def read() -> KeyInfo | None:
             document = await self.collection.find_one({"_id": key_id})
-        except PyMongoError:
-            if valid is not None:  # MongoDB is down: a key verified before (and not revoked since) counts
-                return valid[1]
-            raise
-        info = None
-        if document is not None and hmac.compare_digest(document.get("hash", ""), _hash(secret)):
+            if document is None or not hmac.compare_digest(document.get("hash", ""), _hash(secret)):
+                return None
             info = _info(document)
-            if info.revoked:
-                info = None
+            return None if info.revoked else info
+
+        info = await self._valid.get(cache_key, read)
         if info is None:
-            self._valid.pop(cache_key, None)
-            _remember(self._missing, cache_key, now, MAX_CACHED_MISSES)
-        else:
-            _remember(self._valid, cache_key, (now, info), MAX_CACHED_KEYS)
+            self._missing[cache_key] = True
         return info
 
     async def get(self, key_id: str) -> KeyInfo | None:
@@ -152,7 +148,9 @@ class KeyStore:
 
     async def set_role(self, key_id: str, role: Role) -> None:
         await self.collection.update_one({"_id": key_id}, {"$set": {"role": role}})
-        self.forget()
+        self.forget(key_id)
+        if self.announce is not None:
+            await self.announce(key_id)
 
     async def list(self, tenant: str | None = None) -> list[KeyInfo]:
         query = {"tenant": tenant} if tenant else {}
@@ -163,17 +161,10 @@ class KeyStore:
         if tenant is not None:
             query["tenant"] = tenant
         result = await self.collection.update_one(query, {"$set": {"revoked": True}})
-        self.forget()
+        self.forget(key_id)
         if result.matched_count == 1 and self.announce is not None:
-            await self.announce()
+            await self.announce(key_id)
         return result.matched_count == 1
-
-
-def _remember(cache: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > limit:
-        cache.popitem(last=False)
 
 
 def _info(document: dict[str, Any]) -> KeyInfo:
@@ -188,9 +179,9 @@ def _info(document: dict[str, Any]) -> KeyInfo:
 
 
 async def follow_key_changes(keys: KeyStore, redis: RedisClients) -> None:
-    """Drop the key cache whenever a key changes anywhere (supervised: returns only by
-    failing). A message may be lost while the subscription reconnects: the cache is
-    dropped on every (re)subscription as well."""
+    """Drop a key from the cache whenever it changes anywhere (supervised: returns only by
+    failing). A message may be lost while the subscription reconnects: every key is
+    dropped on each (re)subscription as well."""
     async with redis.subscription(KEYS_CHANNEL) as pubsub:
         keys.forget()
         while True:
@@ -198,11 +189,13 @@ async def follow_key_changes(keys: KeyStore, redis: RedisClients) -> None:
             if message is None:
                 await pubsub.ping()
                 continue
-            keys.forget()
+            data = message["data"]
+            key_id = data.decode() if isinstance(data, bytes) else str(data)
+            keys.forget(key_id if key_id.isalnum() else None)  # not a key id: drop them all
 
 
-def announcer(redis: RedisClients) -> Callable[[], Awaitable[None]]:
-    async def announce() -> None:
-        await redis.main.publish(KEYS_CHANNEL, "revoked")
+def announcer(redis: RedisClients) -> Callable[[str], Awaitable[None]]:
+    async def announce(key_id: str) -> None:
+        await redis.main.publish(KEYS_CHANNEL, key_id)
 
     return announce
