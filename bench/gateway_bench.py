@@ -240,6 +240,8 @@ def async_call(http: Gateways, model: str, inputs: dict) -> Call:
         while True:
             async with session.get(f"/results/{accepted['request_id']}", params={"wait": "30"}) as response:
                 record = await response.json()
+            if response.status != 200:  # the poll's own error (a 429, a 503): reported as such
+                raise RuntimeError(f"poll {response.status} {str(record)[:160]}")
             if record["status"] in ("succeeded", "failed", "canceled", "expired"):
                 if record["status"] != "succeeded":
                     raise RuntimeError(f"{record['status']}: {str(record.get('error'))[:160]}")
@@ -563,7 +565,8 @@ async def section_relay(
 ) -> list[str]:
     inputs = {"text_input": "Relay this", "max_tokens": args.stream_tokens}
     lines = [
-        f"Relay: {args.streams} concurrent streams of `{STREAM_MODEL}` (50 tokens/s each), {args.stream_tokens} "
+        f"Relay: {args.streams} concurrent streams of `{STREAM_MODEL}` "
+        f"({1e6 / float(os.environ.get('STACK_SYNTHETIC_DECODE_US', 20_000)):.0f} tokens/s each), {args.stream_tokens} "
         "tokens per stream, started together; gaps between tokens as the client sees them:",
         "",
         row("path", "streams", "tokens expected", "tokens received", "tokens/s", "vs direct", "gap p50 ms",

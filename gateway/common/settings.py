@@ -50,6 +50,9 @@ class ServiceSettings(BaseSettings):
     # without replicas; acknowledged then means written to the primary).
     redis_wait_replicas: int = Field(default=0, ge=0, le=16)
     redis_wait_timeout_ms: int = Field(default=250, ge=1, le=60_000)
+    # One Redis: the script calls of one turn of the event loop go as one pipeline (group
+    # commit, gateway/common/redis.py). False: each call its own round trip.
+    redis_group_commit: bool = True
     mongo_url: str = "mongodb://127.0.0.1:27017"
     mongo_db: str = "triton_gateway"
     mongo_timeout_s: float = Field(default=5.0, gt=0)

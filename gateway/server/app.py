@@ -144,6 +144,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             max_connections=settings.redis_max_connections,
             wait_replicas=settings.redis_wait_replicas,
             wait_timeout_ms=settings.redis_wait_timeout_ms,
+            group_commit=settings.redis_group_commit,
         )
         redis = clients.main
         timeout_ms = int(settings.mongo_timeout_s * 1000)

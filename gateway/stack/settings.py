@@ -33,6 +33,9 @@ class StackSettings(BaseSettings):
     clip_model: str = "openai/clip-vit-base-patch32"
     # Where Triton's models run (devices.py): auto is cuda when torch sees a GPU, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # llm_synthetic's time per decode step in µs (its config says 20,000: 50 tokens/s a
+    # stream); smaller measures the gateway's relay of a fast stream (bench.gateway_bench).
+    synthetic_decode_us: int | None = Field(default=None, ge=1, le=10_000_000)
     # Try to download weights missing from the local Hugging Face cache.
     allow_downloads: bool = Field(default_factory=lambda: os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"))
     model_repo: Path = Field(default_factory=lambda: model_repo() / "local")

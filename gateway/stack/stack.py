@@ -39,10 +39,12 @@ from gateway.stack.triton import triton_spec
 _WEIGHT_ENV = {"LLM_MODEL_DIR": "llm", "CLIP_MODEL_DIR": "clip"}
 
 
-def prepare_model_repo(source: Path, target: Path, notes: dict[str, str], device: Device = "cpu") -> Path:
+def prepare_model_repo(
+    source: Path, target: Path, notes: dict[str, str], device: Device = "cpu", synthetic_decode_us: int | None = None
+) -> Path:
     """Copy the model repository, render each model's config for the device (devices.py)
     and record in it where its weights come from (`weights` parameter, shown by Triton's
-    /v2/models/<m>/config)."""
+    /v2/models/<m>/config); synthetic_decode_us: llm_synthetic's decode step, if set."""
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
@@ -53,6 +55,8 @@ def prepare_model_repo(source: Path, target: Path, notes: dict[str, str], device
             if env_name in model_dir:
                 config.parameters["weights"].string_value = notes[family]
         place(config, device)
+        if synthetic_decode_us is not None and config.name == "llm_synthetic":
+            config.parameters["decode_us"].string_value = str(synthetic_decode_us)
         config_path.write_text(text_format.MessageToString(config))
     make_private_tree(target)
     return target
@@ -153,7 +157,13 @@ class LocalStack:
     def triton(self, name: str = "triton", *, http_port: int, grpc_port: int, metrics_port: int) -> ServiceSpec:
         env = self.weight_env()
         notes = {family: w.description for family, w in self.model_weights.items()}
-        repo = prepare_model_repo(self.settings.model_repo, self.data_dir / f"model_repo_{name}", notes, self.device)
+        repo = prepare_model_repo(
+            self.settings.model_repo,
+            self.data_dir / f"model_repo_{name}",
+            notes,
+            self.device,
+            synthetic_decode_us=self.settings.synthetic_decode_us,
+        )
         return triton_spec(
             name=name,
             model_repo=repo,

@@ -118,3 +118,11 @@ def test_auto_is_cuda_only_where_torch_sees_a_gpu(monkeypatch: pytest.MonkeyPatc
     assert devices.resolve_device("auto") == "cuda"
     assert devices.resolve_device("cuda") == "cuda"
     assert devices.resolve_device("cpu") == "cpu"
+
+
+def test_the_synthetic_engines_decode_step_is_set_at_start(tmp_path: Path) -> None:
+    repo = prepare_model_repo(MODEL_REPO / "local", tmp_path / "repo", NOTES, "cpu", synthetic_decode_us=2000)
+    configs = check_repo(repo)
+    assert configs["llm_synthetic"].parameters["decode_us"].string_value == "2000"
+    default = check_repo(prepare_model_repo(MODEL_REPO / "local", tmp_path / "default", NOTES, "cpu"))
+    assert default["llm_synthetic"].parameters["decode_us"].string_value == "20000"

@@ -32,6 +32,7 @@ from gateway.server.models import InvalidInput, ModelAdapter, ModelRegistry, Run
 from gateway.server.models.base import Resume, RunError, tensor
 from gateway.server.queue.jobs import Job, JobStore
 from gateway.server.replicas import Replica, ReplicaPool
+from gateway.server.replicas.batching import BatchedInfer
 from gateway.server.routing.router import Router
 from gateway.server.settings import GatewaySettings
 
@@ -84,6 +85,8 @@ class Runner:
         self.router = router
         # Token events of every stream of this process, one EMIT per shard and window.
         self.relay = TokenRelay(jobs, window_s=settings.token_window_ms / 1000)
+        # Embedding requests of one model sharing Triton calls (0: a call each).
+        self.batched = BatchedInfer(settings.triton_batch_calls) if settings.triton_batch_calls > 0 else None
 
     async def run(self, job: Job, control: RunControl, prepared: Any = None) -> ResultRecord:
         """prepared: the inputs as validated at submission in this process, if they were."""
@@ -238,35 +241,12 @@ class Runner:
         """One call to Triton. Raises Failure for what Triton (or the connection to it)
         did wrong; whatever else goes wrong is not the replica's fault."""
         remaining = max(0.001, job.deadline - time.time())
-        inputs = run.inputs(stream)
         if not run.decoupled:
-            call = asyncio.ensure_future(
-                replica.client.infer(
-                    run.triton_model,
-                    inputs,
-                    outputs=run.outputs(),
-                    request_id=job.request_id,
-                    client_timeout=remaining,
-                    timeout=int(remaining * 1e6),
-                )
-            )
-            control.abort = call.cancel
-            try:
-                result = await call
-            except asyncio.CancelledError:
-                if control.cancel_requested:
-                    return
-                raise
-            except Exception as exc:
-                raise classify(exc) from exc
-            finally:
-                control.abort = None
-            self._first(control)
-            run.take(result)
+            await self._unary(replica, run, job, stream, control, remaining)
             return
         request = {
             "model_name": run.triton_model,
-            "inputs": inputs,
+            "inputs": run.inputs(stream),
             "outputs": run.outputs(),
             "request_id": job.request_id,
             "timeout": int(remaining * 1e6),
@@ -316,6 +296,42 @@ class Runner:
         rest = run.flush()
         if rest and emitter is not None:
             await emitter.add(rest)
+
+    async def _unary(
+        self, replica: Replica, run: Run, job: Job, stream: bool, control: RunControl, remaining: float
+    ) -> None:
+        """One request, one answer: a call of its own, or a row of a call shared with other
+        requests of its model (the embedding models: replicas/batching.py)."""
+        row = run.batch_row() if self.batched is not None else None
+        if row is not None and self.batched is not None:
+            answer = self.batched.infer(replica, run.triton_model, row, job.request_id, remaining)
+        else:
+            answer = replica.client.infer(
+                run.triton_model,
+                run.inputs(stream),
+                outputs=run.outputs(),
+                request_id=job.request_id,
+                client_timeout=remaining,
+                timeout=int(remaining * 1e6),
+            )
+        call: asyncio.Future[Any] = asyncio.ensure_future(answer)
+
+        def abort() -> None:
+            call.cancel()
+
+        control.abort = abort
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            if control.cancel_requested:
+                return
+            raise
+        except Exception as exc:
+            raise classify(exc) from exc
+        finally:
+            control.abort = None
+        self._first(control)
+        run.take(result)
 
     @staticmethod
     def _first(control: RunControl) -> None:

@@ -47,6 +47,16 @@ class Resume:
     token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class BatchRow:
+    """One request as one row of a call shared with others of its model: its BYTES input
+    of shape [1] and the name of its one output (replicas/batching.py)."""
+
+    input_name: str
+    value: bytes
+    output_name: str
+
+
 class Run:
     """One attempt of one request on one replica."""
 
@@ -62,6 +72,12 @@ class Run:
     def take(self, result: InferResult) -> list[Piece]:
         """A response from Triton; returns the pieces of text to emit (if any)."""
         raise NotImplementedError
+
+    def batch_row(self) -> BatchRow | None:
+        """This run as one row of a call shared with other requests of its model (its input
+        one BYTES element, its output one tensor: replicas/batching.py); None: a call of
+        its own."""
+        return None
 
     def flush(self) -> list[Piece]:
         """Pieces held back until the end (an unfinished character), once the last

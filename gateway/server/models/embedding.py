@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import IndexRef, Usage
-from gateway.server.models.base import ModelAdapter, Resume, Run, bytes_tensor, check
+from gateway.server.models.base import BatchRow, ModelAdapter, Resume, Run, bytes_tensor, check
 from gateway.server.models.inputs import ImageInputs, NoParameters, TextInputs
 
 
@@ -35,6 +35,10 @@ class EmbeddingRun(Run):
 
     def outputs(self) -> list[InferRequestedOutput]:
         return [InferRequestedOutput(self.adapter.output_name)]
+
+    def batch_row(self) -> BatchRow:
+        value = self.prepared.data if isinstance(self.prepared, ImageInputs) else self.prepared.text.encode("utf-8")
+        return BatchRow(self.adapter.input_name, value, self.adapter.output_name)
 
     def take(self, result: InferResult) -> list:
         self.vector = result.as_numpy(self.adapter.output_name).reshape(-1).astype(float).tolist()

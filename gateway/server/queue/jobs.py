@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from gateway.common.redis import NotReplicated, RedisClients
+from gateway.common.redis import GroupCommit, NotReplicated, RedisClients
 from gateway.protocol import (
     TERMINAL_EVENT,
     ErrorInfo,
@@ -255,9 +255,14 @@ class _Script(AsyncScript):
     """A Lua script that survives a failover: a node that does not know it (a replica just
     promoted, or a node restarted, whose script cache is empty) gets it loaded, after the
     slot map is read again if the first load did not reach it (a map from before the
-    failover names the old primaries)."""
+    failover names the old primaries). On one Redis with a group commit, its calls share
+    pipelines with the other script calls of their turn of the event loop."""
+
+    group: GroupCommit | None = None
 
     async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        if self.group is not None and client is None:
+            return await self.group.call(self, keys or [], args or [])
         try:
             return await super().__call__(keys=keys, args=args, client=client)
         except NoScriptError:
@@ -300,6 +305,10 @@ class JobStore:
         self._cancel = _Script(redis, scripts.CANCEL)
         self._read = _Script(redis, scripts.READ)
         self._queue = _Script(redis, scripts.QUEUE)
+        group = replication.group if replication is not None and replication.main is redis else None
+        for script in vars(self).values():
+            if isinstance(script, _Script):
+                script.group = group
         self.unreplicated_finishes = 0  # finishes no replica confirmed in time
         self._unreplicated_logged_at = 0.0
 

@@ -1,0 +1,107 @@
+"""Group commit (gateway/common/redis.py GroupCommit) against a real Redis: the script calls
+made in one turn of the event loop go as one pipeline, on one connection, and each caller
+gets its own reply or error, as if it had called alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
+
+from gateway.common.redis import GroupCommit
+from gateway.stack.process import ManagedProcess, free_port
+from gateway.stack.services import redis_spec
+
+ECHO = """
+if ARGV[1] == 'bad' then return redis.error_reply('refused: ' .. ARGV[1]) end
+redis.call('INCR', KEYS[1])
+return ARGV[1]
+"""
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    process = ManagedProcess(
+        redis_spec(data_dir=tmp_path_factory.mktemp("group-redis"), host="127.0.0.1", port=port, name="group-redis")
+    )
+    process.start()
+    process.wait_ready(time.monotonic() + 30)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.stop()
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, decode_responses=True, client_name="group-test", max_connections=100)
+    yield client
+    await client.aclose()
+
+
+async def connections(client: Redis) -> int:
+    """The connections Redis has from the client under test (CLIENT LIST, by name)."""
+    return sum(1 for c in await client.client_list() if c.get("name") == "group-test")
+
+
+async def test_the_calls_of_one_turn_share_one_connection(client: Redis) -> None:
+    group = GroupCommit(client)
+    echo = AsyncScript(client, ECHO)
+    replies = await asyncio.gather(*(group.call(echo, ["counter"], [str(i)]) for i in range(50)))
+    assert replies == [str(i) for i in range(50)]
+    assert await connections(client) == 1
+    assert await client.get("counter") == "50"
+
+
+async def test_calls_alone_take_a_connection_each(client: Redis) -> None:
+    # The reference: the same calls without a group commit, each a round trip of its own.
+    echo = AsyncScript(client, ECHO)
+    await asyncio.gather(*(echo(keys=["alone"], args=[str(i)]) for i in range(50)))
+    assert await connections(client) > 1
+
+
+async def test_each_caller_gets_its_own_reply_or_error(client: Redis) -> None:
+    group = GroupCommit(client)
+    echo = AsyncScript(client, ECHO)
+    answers = await asyncio.gather(
+        group.call(echo, ["mixed"], ["one"]),
+        group.call(echo, ["mixed"], ["bad"]),
+        group.call(echo, ["mixed"], ["three"]),
+        return_exceptions=True,
+    )
+    assert answers[0] == "one" and answers[2] == "three"
+    assert isinstance(answers[1], ResponseError) and "refused: bad" in str(answers[1])
+
+
+async def test_a_script_redis_forgot_is_loaded_and_sent_again(client: Redis) -> None:
+    group = GroupCommit(client)
+    echo = AsyncScript(client, ECHO)
+    assert await group.call(echo, ["flushed"], ["before"]) == "before"
+    await client.script_flush()  # as after a restart
+    assert await asyncio.gather(group.call(echo, ["flushed"], ["a"]), group.call(echo, ["flushed"], ["b"])) == [
+        "a",
+        "b",
+    ]
+    assert await client.get("flushed") == "3"
+
+
+async def test_replicated_calls_end_with_one_wait_for_all(client: Redis) -> None:
+    # This Redis has no replicas: WAIT answers 0 after its timeout, for every caller.
+    group = GroupCommit(client, wait_replicas=1, wait_timeout_ms=50)
+    echo = AsyncScript(client, ECHO)
+    answers = await asyncio.gather(*(group.call(echo, ["waited"], [str(i)], wait=True) for i in range(5)))
+    assert answers == [(str(i), 0) for i in range(5)]
+
+
+async def test_a_caller_that_stops_waiting_leaves_the_others_their_replies(client: Redis) -> None:
+    group = GroupCommit(client)
+    echo = AsyncScript(client, ECHO)
+    gone = asyncio.ensure_future(group.call(echo, ["left"], ["gone"]))
+    staying = asyncio.ensure_future(group.call(echo, ["left"], ["staying"]))
+    gone.cancel()
+    assert await staying == "staying"
+    assert gone.cancelled()
