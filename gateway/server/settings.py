@@ -92,7 +92,7 @@ class GatewaySettings(ServiceSettings):
     # Embedding requests of one model share Triton calls: at most this many calls of a model
     # in flight on a replica, what is ready meanwhile going in the next one (up to the
     # model's max_batch_size). 0: every request a call of its own.
-    triton_batch_calls: int = Field(default=2, ge=0)
+    triton_batch_calls: int = Field(default=8, ge=0)
     probe_interval_s: float = Field(default=1.0, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
     # A request that fails on a replica is tried again (elsewhere if possible) this often.
