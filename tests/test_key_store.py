@@ -12,7 +12,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,6 +209,19 @@ async def sent(counter: FindCounter, finds: int) -> None:
         await asyncio.sleep(0.01)
 
 
+async def answered_while_hung(
+    mongo: Mongo, counter: FindCounter, read: Callable[[], Awaitable[object]], expected: object
+) -> None:
+    """While MongoDB hangs, read() answers `expected` from the cache, the read that
+    refreshes it sent behind it, and none of the answers waits for that read."""
+    with mongo.hung():
+        assert await read() == expected
+        await sent(counter, 2)  # the read behind it
+        for _ in range(3):
+            assert await read() == expected
+        assert counter.ended == 1, "the answers waited for MongoDB"
+
+
 async def test_a_known_key_verifies_at_once_while_mongodb_hangs(mongo_server: Mongo) -> None:
     counter = FindCounter()
     client = mongo_server.client_with(counter)
@@ -216,13 +229,7 @@ async def test_a_known_key_verifies_at_once_while_mongodb_hangs(mongo_server: Mo
         store = KeyStore(client, DATABASE, cache_s=0)  # every verification is old enough to be read again
         info, token = await store.create("tenant-a")
         assert await verified(store, token) == info.key_id
-        with mongo_server.hung():
-            # Answered from the cache while the read that refreshes it still waits on MongoDB.
-            assert await verified(store, token) == info.key_id
-            await sent(counter, 2)  # the read behind it
-            for _ in range(3):
-                assert await verified(store, token) == info.key_id
-            assert counter.ended == 1, "the verifications waited for MongoDB"
+        await answered_while_hung(mongo_server, counter, lambda: verified(store, token), info.key_id)
     finally:
         await client.close()
 
@@ -233,12 +240,11 @@ async def test_a_known_tenants_settings_are_answered_at_once_while_mongodb_hangs
     try:
         tenants = TenantStore(client, DATABASE, TenantLimits(), cache_s=0)
         await tenants.update("tenant-a", {"weight": 3.0})
-        with mongo_server.hung():
-            assert (await tenants.get("tenant-a")).weight == 3.0
-            await sent(counter, 2)  # the read behind it
-            for _ in range(3):
-                assert (await tenants.get("tenant-a")).weight == 3.0
-            assert counter.ended == 1, "the reads of the settings waited for MongoDB"
+
+        async def weight() -> float:
+            return (await tenants.get("tenant-a")).weight
+
+        await answered_while_hung(mongo_server, counter, weight, 3.0)
     finally:
         await client.close()
 
