@@ -11,6 +11,7 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from pymongo import AsyncMongoClient
 
 from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes, remove_shm, shm_regions
 from gateway.stack.process import ManagedProcess, free_port, stop_processes
-from gateway.stack.services import binder_spec, gateway_spec
+from gateway.stack.services import binder_spec, gateway_spec, redis_spec
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack
 from gateway.stack.weights import build_tiny_clip, build_tiny_gpt2
@@ -190,6 +191,20 @@ class Stack:
         process.stop()
         if process in self.extra:
             self.extra.remove(process)
+
+
+@contextmanager
+def lone_redis(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[str]:
+    """A redis-server of its own, without the stack (tests of the script layer): its URL
+    while the block runs, then stopped by its pid."""
+    port = free_port()
+    process = ManagedProcess(redis_spec(data_dir=tmp_path_factory.mktemp(name), host="127.0.0.1", port=port, name=name))
+    process.start()
+    try:
+        process.wait_ready(time.monotonic() + 30)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.stop()
 
 
 def kill_by_pid(process: ManagedProcess) -> None:

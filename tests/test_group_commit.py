@@ -5,7 +5,6 @@ gets its own reply or error, as if it had called alone."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -14,8 +13,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
 from gateway.common.redis import GroupCommit
-from gateway.stack.process import ManagedProcess, free_port
-from gateway.stack.services import redis_spec
+from tests.conftest import lone_redis
 
 ECHO = """
 if ARGV[1] == 'bad' then return redis.error_reply('refused: ' .. ARGV[1]) end
@@ -26,14 +24,8 @@ return ARGV[1]
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    process = ManagedProcess(
-        redis_spec(data_dir=tmp_path_factory.mktemp("group-redis"), host="127.0.0.1", port=port, name="group-redis")
-    )
-    process.start()
-    process.wait_ready(time.monotonic() + 30)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.stop()
+    with lone_redis(tmp_path_factory, "group-redis") as url:
+        yield url
 
 
 @pytest.fixture

@@ -27,20 +27,16 @@ from gateway.server.tenants import keys
 from gateway.server.tenants.config import TenantLimits, TenantStore
 from gateway.server.tenants.keys import KeyStore, announcer, follow_key_changes
 from gateway.stack.process import ManagedProcess, free_port
-from gateway.stack.services import mongo_spec, redis_spec
+from gateway.stack.services import mongo_spec
+from tests.conftest import lone_redis
 
 DATABASE = "keys_test"
 
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    data: Path = tmp_path_factory.mktemp("keys-redis")
-    port = free_port()
-    process = ManagedProcess(redis_spec(data_dir=data, host="127.0.0.1", port=port, name="keys-redis"))
-    process.start()
-    process.wait_ready(time.monotonic() + 30)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.stop()
+    with lone_redis(tmp_path_factory, "keys-redis") as url:
+        yield url
 
 
 @dataclass

@@ -10,7 +10,6 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +25,7 @@ from gateway.server.queue.jobs import Admission, Job, JobStore, NewRequest
 from gateway.server.replicas import ReplicaPool
 from gateway.server.results.notifier import CompletionNotifier
 from gateway.server.settings import GatewaySettings
-from gateway.stack.process import ManagedProcess, free_port
-from gateway.stack.services import redis_spec
+from tests.conftest import lone_redis
 
 SHARD = Shard(0)
 OPEN = Admission(max_backlog=10_000, max_batch_backlog=10_000, max_bytes=10**9, reserve=4)
@@ -36,13 +34,8 @@ MODEL = "m"
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    data: Path = tmp_path_factory.mktemp("leases-redis")
-    port = free_port()
-    process = ManagedProcess(redis_spec(data_dir=data, host="127.0.0.1", port=port, name="leases-redis"))
-    process.start()
-    process.wait_ready(time.monotonic() + 30)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.stop()
+    with lone_redis(tmp_path_factory, "leases-redis") as url:
+        yield url
 
 
 class Registry:

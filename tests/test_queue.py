@@ -8,7 +8,6 @@ import asyncio
 import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,8 +22,7 @@ from gateway.protocol.redis_keys import Shard
 from gateway.server.dispatch.scheduler import Headroom
 from gateway.server.queue import jobs
 from gateway.server.queue.jobs import TAKE_TOKEN_TTL_S, Admission, Job, JobStore, NewRequest
-from gateway.stack.process import ManagedProcess, free_port
-from gateway.stack.services import redis_spec
+from tests.conftest import lone_redis
 
 SHARD = Shard(0)
 OPEN = Admission(max_backlog=10_000, max_batch_backlog=10_000, max_bytes=10**9, reserve=4)
@@ -32,13 +30,8 @@ OPEN = Admission(max_backlog=10_000, max_batch_backlog=10_000, max_bytes=10**9, 
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    data: Path = tmp_path_factory.mktemp("queue-redis")
-    port = free_port()
-    process = ManagedProcess(redis_spec(data_dir=data, host="127.0.0.1", port=port, name="queue-redis"))
-    process.start()
-    process.wait_ready(time.monotonic() + 30)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.stop()
+    with lone_redis(tmp_path_factory, "queue-redis") as url:
+        yield url
 
 
 @pytest.fixture

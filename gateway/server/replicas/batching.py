@@ -57,6 +57,8 @@ class _Lane:
 
     in_flight: int = 0
     waiting: deque[_Item] = field(default_factory=deque)
+    # A call started whose rows are not taken yet: it takes every row of this turn.
+    gathering: bool = False
 
 
 class BatchedInfer:
@@ -72,7 +74,7 @@ class BatchedInfer:
         item = _Item(row, request_id, loop.time() + timeout_s)
         lane = self._lanes.setdefault((replica, model), _Lane())
         lane.waiting.append(item)
-        if lane.in_flight < self.calls:
+        if lane.in_flight < self.calls and not lane.gathering:
             self._send_next(replica, model, lane)
         try:
             return RowResult(row.output_name, await asyncio.wait_for(asyncio.shield(item.answer), timeout_s))
@@ -89,6 +91,7 @@ class BatchedInfer:
                 self._lanes.pop((replica, model), None)
             return
         lane.in_flight += 1
+        lane.gathering = True
         task = asyncio.get_running_loop().create_task(self._call(replica, model, lane))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -96,6 +99,7 @@ class BatchedInfer:
     async def _call(self, replica: Replica, model: str, lane: _Lane) -> None:
         try:
             size = await self._batch_size(replica, model)
+            lane.gathering = False
             items = [lane.waiting.popleft() for _ in range(min(size, len(lane.waiting)))]
             items = [i for i in items if not i.answer.done()]  # callers that stopped waiting
             if items:
