@@ -88,7 +88,9 @@ async def test_kill_during_a_snapshot_keeps_the_previous_one_and_replay_reaches_
 
     restored = VectorIndex(directory)
     assert restored.load()
-    assert restored.ntotal("minilm") == 100  # the first, complete snapshot
+    # The first, complete snapshot: everything up to its positions (the first 100), and
+    # whatever the follower added while the shard was copied (copies no longer stop indexing).
+    assert 100 <= restored.ntotal("minilm") <= 150
 
     mongo: AsyncMongoClient = AsyncMongoClient(stack.mongo_url, tz_aware=True)
     follower = IndexFollower(
