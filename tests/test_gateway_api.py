@@ -66,22 +66,27 @@ async def test_prefer_wait_shorter_than_the_work_gives_202(http) -> None:
     await wait_result(http, response.json()["request_id"])
 
 
-async def test_long_poll_returns_within_100ms_of_completion(http) -> None:
+async def test_long_poll_returns_on_completion_not_at_its_wait(http) -> None:
+    wait_s = 30
     request_id = await submit(http, llm_body(max_tokens=150))
-    response = await http.get(f"/results/{request_id}", params={"wait": 30})
+    response = await http.get(f"/results/{request_id}", params={"wait": wait_s})
     returned = time.time()
     record = response.json()
-    assert record["status"] == "succeeded"
+    assert response.status_code == 200 and record["status"] == "succeeded"
     finished = datetime.fromisoformat(record["finished_at"]).timestamp()
-    assert returned - finished < 0.1, f"long-poll answered {returned - finished:.3f}s after completion"
+    # A long-poll does not poll: the completion message wakes it (milliseconds on an idle
+    # machine), or else it answers only when its wait runs out. A third of the wait tells the
+    # two apart with room for a loaded machine.
+    assert returned - finished < wait_s / 3, f"long-poll answered {returned - finished:.3f}s after completion"
 
 
 async def test_long_poll_of_a_running_request_returns_its_state_at_the_timeout(http) -> None:
     request_id = await submit(http, llm_body(max_tokens=250))
-    started = time.monotonic()
     response = await http.get(f"/results/{request_id}", params={"wait": 0.05})
-    assert time.monotonic() - started < 2
-    assert response.json()["status"] in ("queued", "running", "succeeded")
+    # 250 tokens take far longer than 50 ms: an answer with the state, not the record, is one
+    # given when the wait ran out (a long-poll that overstayed it would bring the record).
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] in ("queued", "running"), response.text
     await wait_result(http, request_id)
 
 

@@ -95,11 +95,19 @@ async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(sta
     async with httpx.AsyncClient(headers=AUTH, base_url=two_replicas["url"], timeout=60) as client:
         await _until(lambda: _has_both(client, two_replicas))
         ids = await asyncio.gather(*(submit(client, llm_body(f"busy {i}", 200)) for i in range(16)))
-        await asyncio.sleep(0.3)  # some are running on each replica
+        # The kill finds runs on the second replica: the gateway's own gauge counts them there.
+        await _until(lambda: _busy(client, two_replicas["second"]))
         kill_by_pid(second)
         records = await wait_all(client, ids)
-        assert all(r["status"] in ("succeeded", "failed") for r in records)
-        assert any(r["status"] == "succeeded" for r in records)
+        # Nothing accepted is lost: a replica that dies is a retryable failure, the runs it held
+        # go to the first replica (the engine path resumes them), so each request ends once, and
+        # succeeded, with a whole answer.
+        assert sorted(r["request_id"] for r in records) == sorted(ids)
+        outcomes = Counter((r["status"], (r["error"] or {}).get("code")) for r in records)
+        assert outcomes == {("succeeded", None): len(ids)}, outcomes
+        assert all(r["outputs"]["finish_reason"] in ("stop", "length") for r in records), records
+        served_by = {replica_name(two_replicas["first"]), replica_name(two_replicas["second"])}
+        assert {r["replica"] for r in records} <= served_by
 
         await _until(lambda: _only(client, two_replicas["first"]))
         after = await wait_all(client, [await submit(client, llm_body("live one", 8)) for _ in range(4)])
@@ -111,11 +119,21 @@ async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(sta
         back = await wait_all(
             client, await asyncio.gather(*(submit(client, llm_body(f"back {i}", 30)) for i in range(12)))
         )
-        assert replica_name(two_replicas["second"]) in {r["replica"] for r in back}
+        assert [r["status"] for r in back] == ["succeeded"] * len(back)
+        assert {r["replica"] for r in back} == served_by  # readmitted: both serve again
 
 
 async def _only(client, replica: str) -> bool:
     return await _ready_replicas(client) == [replica]
+
+
+async def _busy(client: httpx.AsyncClient, replica: str) -> bool:
+    """Whether the gateway has requests in flight on `replica`, by its own gauge."""
+    response = await client.get("/metrics")
+    for line in response.text.splitlines():
+        if line.startswith(f'gateway_replica_inflight{{replica="{replica}"}} '):
+            return float(line.rsplit(" ", 1)[1]) > 0
+    return False
 
 
 async def test_a_restarted_triton_serves_within_two_seconds_of_being_ready(stack, two_replicas) -> None:
@@ -193,20 +211,34 @@ async def test_a_killed_gateway_process_leaves_its_requests_to_another(stack) ->
     first, first_url = stack.start_gateway("gateway-doomed", REDIS_URL=redis_url)
     async with httpx.AsyncClient(headers=AUTH, base_url=first_url, timeout=30) as client:
         ids = [await submit(client, llm_body(f"orphan {i}", 120)) for i in range(10)]
-        await asyncio.sleep(0.3)
-        states = Counter([(await client.get(f"/results/{rid}")).json()["status"] for rid in ids])
+        seen = {rid: (await client.get(f"/results/{rid}")).json() for rid in ids}
+    states = Counter(r["status"] for r in seen.values())
     assert states["running"] > 0, states
     kill_by_pid(first)
+    killed_at = time.time()  # kill_by_pid returns once the process is gone: it stamps nothing later
     stack.extra.remove(first)
 
     second, second_url = stack.start_gateway("gateway-heir", REDIS_URL=redis_url)
     try:
         async with httpx.AsyncClient(headers=AUTH, base_url=second_url, timeout=30) as client:
-            records = await wait_all(client, ids, timeout=120)
-        assert {r["status"] for r in records} == {"succeeded"}
-        assert any(r["attempts"] >= 2 for r in records), "no request was reclaimed from the dead gateway"
+            records = {r["request_id"]: r for r in await wait_all(client, ids, timeout=120)}
     finally:
         stack.stop(second)
+    # Each request ended once, and succeeded.
+    assert Counter(r["status"] for r in records.values()) == {"succeeded": len(ids)}
+    reclaimed = []
+    for rid, before in seen.items():
+        record = records[rid]
+        finished = datetime.fromisoformat(record["finished_at"]).timestamp()
+        if before["status"] == "succeeded":  # ended before the kill: that ending stands (to the ms MongoDB keeps)
+            assert record["attempts"] == 1, record
+            assert abs(finished - datetime.fromisoformat(before["finished_at"]).timestamp()) < 0.001, record
+        elif finished <= killed_at:  # ended by the doomed one
+            assert record["attempts"] == 1, record
+        elif before["status"] == "running":  # running when it died: the heir took it over and ran it again
+            assert record["attempts"] >= 2, record
+            reclaimed.append(rid)
+    assert reclaimed, f"no request was still running when the gateway was killed: {states}"
 
 
 async def test_a_rolling_restart_hands_running_requests_over_without_waiting_for_a_lease(stack) -> None:
@@ -229,7 +261,10 @@ async def test_a_rolling_restart_hands_running_requests_over_without_waiting_for
     assert {r["status"] for r in records} == {"succeeded"}
     handed = [r for r in records if r["attempts"] >= 2]
     assert handed, "no running request was handed over"
+    # Handed over, not left to lapse: a lease is renewed every third of it, so one left to lapse
+    # ran out (and its request could start again) no sooner than 30 - 10 s after the stop, however
+    # fast or loaded the machine; a handed-over one starts again once the 1 s drain is over.
+    lapse_s = 30 - 30 / 3
     for record in handed:
-        finished = datetime.fromisoformat(record["finished_at"]).timestamp()
-        # 4 s of generation, a 1 s drain and the stop: nowhere near the 30 s lease.
-        assert finished - stopped_at < 15, f"{record['request_id']} ended {finished - stopped_at:.1f}s after the stop"
+        restarted = datetime.fromisoformat(record["started_at"]).timestamp()  # its last start
+        assert restarted - stopped_at < lapse_s, f"{record['request_id']} restarted {restarted - stopped_at:.1f}s after"

@@ -111,7 +111,8 @@ class OtherGateway(threading.Thread):
             reclaim(keys=[SHARD.leases], args=[SHARD.prefix, now_ms, 200])
             token = secrets.token_hex(8)
             reply = take(
-                keys=[SHARD.backlog], args=[SHARD.prefix, MODEL, "other", time.time(), now_ms + 60_000, token, "0", 60]
+                keys=[*scripts.shard_keys(SHARD), *scripts.model_keys(SHARD, MODEL), SHARD.take("other")],
+                args=[SHARD.prefix, MODEL, "other", time.time(), now_ms + 60_000, token, "0", 60],
             )
             if reply[0] == "run":
                 self.taken.append(reply[1])

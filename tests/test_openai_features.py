@@ -184,10 +184,11 @@ def test_a_json_object_response_is_a_json_object(client) -> None:
         max_tokens=200,
         temperature=0,
     )
-    if completion.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(completion.choices[0].message.content), dict)
-    else:  # a random model may keep an object open until max_tokens: it is still one
-        assert completion.choices[0].message.content.startswith("{")
+    choice = completion.choices[0]
+    # Greedy decoding of a fixed (seeded) model: the same object every time, closed well within
+    # max_tokens. An object cut by max_tokens would not be the whole answer a client can parse.
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(json.loads(choice.message.content), dict), choice.message.content
 
 
 # -- logprobs -----------------------------------------------------------------------------
@@ -241,17 +242,50 @@ def test_logprobs_are_refused_by_name_on_the_llmapi_contract(client) -> None:
 # -- n ------------------------------------------------------------------------------------
 
 
-def test_n_3_gives_three_choices_and_summed_usage(client, stack) -> None:
-    raw = client.chat.completions.with_raw_response.create(
-        model="llm", messages=QUESTION, n=3, max_tokens=6, temperature=1.0
-    )
-    completion = raw.parse()
+N_SEED = 4321
+
+
+def test_n_3_gives_three_whole_distinct_choices_that_the_seed_repeats_and_usage_of_all(client, stack) -> None:
+    def call():
+        raw = client.chat.completions.with_raw_response.create(
+            model="llm", messages=QUESTION, n=3, max_tokens=12, temperature=1.0, seed=N_SEED
+        )
+        return raw.parse(), raw.headers["x-request-id"].split(",")
+
+    completion, request_ids = call()
+    # n choices, indexed 0..n-1, each a whole answer of its own (ended by the model or by
+    # max_tokens; a random model may end one at once: "" is then the whole answer).
     assert [c.index for c in completion.choices] == [0, 1, 2]
-    request_ids = raw.headers["x-request-id"].split(",")
+    assert all(c.message.role == "assistant" and isinstance(c.message.content, str) for c in completion.choices)
+    assert all(c.finish_reason in ("stop", "length") for c in completion.choices), completion
+    # Distinct draws: each choice samples with its own seed (the call's + its index) ...
+    texts = [c.message.content for c in completion.choices]
+    assert len(set(texts)) == 3, texts
+    # ... and the same seed repeats the whole response, choice by choice.
+    again, again_ids = call()
+    assert [(c.index, c.message.content, c.finish_reason) for c in again.choices] == [
+        (c.index, c.message.content, c.finish_reason) for c in completion.choices
+    ]
+    assert set(again_ids).isdisjoint(request_ids)  # run again, not replayed
+    # One request per choice, in order: its seed, its text, its length.
     records = [_record(stack, rid) for rid in request_ids]
-    assert len(records) == 3 and len({r["parameters"]["seed"] for r in records}) == 3
+    assert [r["status"] for r in records] == ["succeeded"] * 3
+    assert [r["parameters"]["seed"] for r in records] == [N_SEED, N_SEED + 1, N_SEED + 2]
+    assert [r["outputs"]["text_output"] for r in records] == texts
+    for choice, record in zip(completion.choices, records, strict=True):
+        assert record["outputs"]["finish_reason"] == choice.finish_reason, record
+        if choice.finish_reason == "length":  # cut by max_tokens: all 12 were generated
+            assert record["usage"]["completion_tokens"] == 12, record
+        else:  # the model ended it, maybe at once (its end token is not counted)
+            assert 0 <= record["usage"]["completion_tokens"] <= 12, record
+    # Usage counts every choice (the gateway sums its requests' usage, the prompt's included).
+    prompt_tokens = records[0]["usage"]["prompt_tokens"]
+    assert all(r["usage"]["prompt_tokens"] == prompt_tokens > 0 for r in records)
+    assert completion.usage.prompt_tokens == 3 * prompt_tokens
     assert completion.usage.completion_tokens == sum(r["usage"]["completion_tokens"] for r in records)
-    assert completion.usage.prompt_tokens == sum(r["usage"]["prompt_tokens"] for r in records)
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    usage = (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens)
+    assert (again.usage.prompt_tokens, again.usage.completion_tokens, again.usage.total_tokens) == usage
 
 
 def test_n_streamed_chunks_carry_each_choices_index(client, stack) -> None:

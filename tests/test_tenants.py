@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -362,22 +363,42 @@ def small_gateway(stack):
 
 
 SHORT = {"model": "llm_synthetic", "inputs": {"text_input": "fair share", "max_tokens": 20}}  # ~0.4 s
+SLOTS = 4  # small_gateway's REPLICA_MAX_INFLIGHT
 
 
-async def _steady(client: httpx.AsyncClient, count: int, every_s: float) -> list[float]:
-    """Queue waits (ms) of `count` requests sent one every `every_s`."""
+async def _steady(client: httpx.AsyncClient, count: int, every_s: float) -> list[dict]:
+    """The records of `count` requests sent one every `every_s`, all succeeded."""
     ids = []
     for _ in range(count):
         ids.append(await submit(client, SHORT))
         await asyncio.sleep(every_s)
     records = await asyncio.gather(*(wait_result(client, rid, timeout=120) for rid in ids))
-    assert {r["status"] for r in records} == {"succeeded"}
-    return [r["timings"]["queue_ms"] for r in records]
+    assert [r["status"] for r in records] == ["succeeded"] * count
+    return records
 
 
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _at(record: dict, key: str) -> float:
+    return datetime.fromisoformat(record[key]).timestamp()
+
+
+def _passed_by(light: list[dict], heavy: list[dict]) -> list[tuple[int, int]]:
+    """For each light request, in order: how many heavy requests were waiting when it could
+    start (submitted, and its tenant's previous request ended: a light tenant runs one at a
+    time), and how many of those started before it did."""
+    standings = []
+    for previous, record in zip([None, *light], light, strict=False):
+        ready = max(_at(record, "created_at"), _at(previous, "finished_at") if previous else 0.0)
+        waiting = [h for h in heavy if _at(h, "created_at") < ready < _at(h, "started_at")]
+        standings.append((len(waiting), sum(1 for h in waiting if _at(h, "started_at") < _at(record, "started_at"))))
+    return standings
+
+
+def _most_at_once(records: list[dict], until: float) -> int:
+    """The most of these requests running at once at any start up to `until`. A run's slot
+    is freed just before its record is stamped finished (no await between), so a start that
+    took that slot is stamped after: the count is exact, however loaded the machine."""
+    starts = [_at(r, "started_at") for r in records if _at(r, "started_at") <= until]
+    return max(sum(1 for r in records if _at(r, "started_at") <= s < _at(r, "finished_at")) for s in starts)
 
 
 async def test_a_flooding_tenant_neither_delays_a_light_one_nor_wastes_capacity(stack, small_gateway) -> None:
@@ -386,26 +407,25 @@ async def test_a_flooding_tenant_neither_delays_a_light_one_nor_wastes_capacity(
         client_for(stack, await new_key(stack, "tenant-light"), small_gateway) as b,
     ):
         alone = await _steady(b, 16, 0.5)
-        started = time.monotonic()
-        flood = [await submit(a, SHORT) for _ in range(60)]  # ~6 s of work for four slots
+        flood_ids = [await submit(a, SHORT) for _ in range(60)]  # ~6 s of work for four slots
         beside = await _steady(b, 16, 0.5)
-        records = await asyncio.gather(*(wait_result(a, rid, timeout=120) for rid in flood))
-        flood_s = time.monotonic() - started
-    assert {r["status"] for r in records} == {"succeeded"}
-    median_alone, median_beside = statistics.median(alone), statistics.median(beside)
-    p99_alone, p99_beside = _p(alone, 0.99), _p(beside, 0.99)
-    print(
-        f"light tenant queue wait: alone p50 {median_alone:.1f} ms p99 {p99_alone:.1f} ms; beside a flood "
-        f"p50 {median_beside:.1f} ms p99 {p99_beside:.1f} ms; flood of 60 done in {flood_s:.1f}s"
-    )
-    # Waits alone are a few milliseconds of the gateway's own work; beside the flood they stay
-    # of that order (5 ms of slack for a noisy machine) and far below one request's 400 ms of
-    # service, which a FIFO queue behind 60 requests would multiply into seconds.
-    assert median_beside <= 2 * median_alone + 5
-    assert p99_beside <= 50
-    # Work-conserving: the flood used what the light tenant left (3 of 4 slots at least):
-    # 60 requests of ~0.4 s on 3 slots take ~8 s.
-    assert flood_s < 60 * 0.4 / 3 * 1.6
+        flood = await asyncio.gather(*(wait_result(a, rid, timeout=120) for rid in flood_ids))
+    assert [r["status"] for r in flood] == ["succeeded"] * len(flood)
+    alone_ms, beside_ms = (statistics.median(r["timings"]["queue_ms"] for r in phase) for phase in (alone, beside))
+    standings = _passed_by(beside, flood)
+    print(f"light tenant queue wait: alone p50 {alone_ms:.1f} ms, beside the flood p50 {beside_ms:.1f} ms")
+    print(f"flood requests waiting / started first, per light request: {standings}")
+    # The flood had a backlog when the light tenant came back (else this tests nothing) ...
+    assert standings[0][0] >= 10, standings
+    # ... and the light tenant never waited behind it: each of its requests started ahead of
+    # the flood's waiting ones (a FIFO queue would start all of them first), but for starts
+    # already under way when it could start (one per slot at most). Counted in starts, not
+    # milliseconds, so a loaded machine changes nothing.
+    assert all(passed <= SLOTS for _, passed in standings), standings
+    # Headroom, not waste: while the light tenant was about, the flood ran on every slot but
+    # the one kept for it (three at once, never four), so a light request never waited for one
+    # of the flood's runs to end, and the flood used what the light tenant left.
+    assert _most_at_once(flood, until=_at(beside[-1], "started_at")) == SLOTS - 1
 
 
 @pytest.fixture
@@ -579,8 +599,11 @@ async def test_a_revoked_key_stops_working_on_every_gateway_at_once(stack) -> No
             async with httpx.AsyncClient(base_url=stack.gateway_url, headers=AUTH) as admin:
                 assert (await admin.delete(f"/admin/keys/{key.split('_')[1]}")).status_code == 200
             revoked_at = time.monotonic()
+            # Announced, the revocation drops the key there at once; missed, the key would still
+            # pass until its cached verification (just made) is KEY_CACHE_S (10 s) old. Half of
+            # that tells the two apart with room for a loaded machine.
             while (await client.get("/models")).status_code != 401:
-                assert time.monotonic() - revoked_at < 1.0, "the other gateway still accepts the revoked key"
+                assert time.monotonic() - revoked_at < 10 / 2, "the other gateway still accepts the revoked key"
                 await asyncio.sleep(0.02)
     finally:
         stack.stop(other)
@@ -619,14 +642,17 @@ async def test_a_light_tenant_beside_a_flood_and_four_batches_waits_as_if_alone(
         alone = await _steady(light, 12, 0.5)
         lines = [chat_line(f"l{i}", "go on", model="llm_synthetic", max_tokens=20) for i in range(40)]
         batches = [await asyncio.to_thread(run_batch, batcher, lines) for _ in range(4)]
-        flood = [await submit(flood_client, SHORT) for _ in range(40)]
+        flood_ids = [await submit(flood_client, SHORT) for _ in range(40)]
         beside = await _steady(light, 12, 0.5)  # every one accepted (submit checks the 202)
-        await asyncio.gather(*(wait_result(flood_client, rid, timeout=120) for rid in flood))
+        flood = await asyncio.gather(*(wait_result(flood_client, rid, timeout=120) for rid in flood_ids))
     for batch in batches:  # (what is left of them: nothing else needs them)
         if (await asyncio.to_thread(batcher.batches.retrieve, batch.id)).status in ("validating", "in_progress"):
             await asyncio.to_thread(batcher.batches.cancel, batch.id)
-    median_alone, median_beside = statistics.median(alone), statistics.median(beside)
-    print(
-        f"light tenant queue wait: alone p50 {median_alone:.1f} ms; beside a flood and 4 batches {median_beside:.1f} ms"
-    )
-    assert median_beside <= 2 * median_alone + 5
+    assert [r["status"] for r in flood] == ["succeeded"] * len(flood)
+    alone_ms, beside_ms = (statistics.median(r["timings"]["queue_ms"] for r in phase) for phase in (alone, beside))
+    print(f"light tenant queue wait: alone p50 {alone_ms:.1f} ms; beside a flood and 4 batches {beside_ms:.1f} ms")
+    # As if alone: no light request waited behind the flood's backlog (counted in starts, see
+    # _passed_by; the batches' lines are in the batch band, below both).
+    standings = _passed_by(beside, flood)
+    assert standings[0][0] >= 10, standings  # the flood had a backlog when the light tenant came back
+    assert all(passed <= SLOTS for _, passed in standings), standings

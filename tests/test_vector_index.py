@@ -395,21 +395,31 @@ async def test_healthz_keeps_answering_while_a_large_snapshot_is_written(stack, 
     del prepared, vectors
     process, url = stack.start_binder(name, **isolated)
     redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
-    latencies, saw_writing = [], False
+    saw_writing, answered_while_writing = False, 0
+
+    def writing() -> bool:
+        return any(p.name.endswith(".partial") for p in directory.iterdir())
+
     try:
         await publish(redis, [embedding_record(unit_vectors(1, dim, seed=13)[0].tolist())])  # makes one due
         async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=30) as client:
             deadline = time.monotonic() + 30
             while (directory / "CURRENT").read_text() == first:
                 assert time.monotonic() < deadline, "no snapshot was written"
-                saw_writing |= any(p.name.endswith(".partial") for p in directory.iterdir())
-                began = time.monotonic()
+                before = writing()
                 response = await client.get("/healthz")
-                latencies.append(time.monotonic() - began)
                 assert response.status_code == 200
+                saw_writing |= before
+                if before and writing():
+                    answered_while_writing += 1
                 await asyncio.sleep(0.01)
         assert saw_writing, "the snapshot was written between two polls; nothing was measured"
-        assert max(latencies) < 0.5, f"/healthz took {max(latencies):.2f}s during the snapshot"
+        # Calls asked and answered while the snapshot was being written (its .partial there
+        # before each and after its answer): a write that held the binder's loop would hold
+        # each call until it ended (.partial gone by then). Counted, not timed, so a slow
+        # machine changes nothing; several, so that a moment before a blocking write does
+        # not count as the whole write.
+        assert answered_while_writing >= 3, f"{answered_while_writing} calls answered while the snapshot was written"
     finally:
         stack.stop(process)
         await redis.aclose()

@@ -146,13 +146,15 @@ class AsyncGatewayClient:
 
     async def cancel(self, request_id: str) -> CancelResponse:
         """Stop a request (status canceled, or running while it stops); 409 already_finished."""
-        return CancelResponse.model_validate((await self._send(_cancel_call(request_id))).json())
+        response = await self._send(_cancel_call(request_id))
+        return CancelResponse.model_validate(response.json())
 
     async def search(
         self, text: str | None = None, image: str | None = None, space: str | None = None, k: int = 5
     ) -> SearchResponse:
         """The stored results nearest a text or a base64 image."""
-        return SearchResponse.model_validate((await self._send(_search_call(text, image, space, k))).json())
+        response = await self._send(_search_call(text, image, space, k))
+        return SearchResponse.model_validate(response.json())
 
     @overload
     async def generate(
@@ -188,9 +190,10 @@ class AsyncGatewayClient:
         stop_words: list[str] | None = None,
         timeout: float | None = None,
     ) -> str | AsyncIterator[str]:
-        """Run the llm: its text, or (stream=True) an async iterator of its pieces:
-        `async for piece in await client.generate(prompt, stream=True)`. The request is
-        submitted by the await, so a refusal raises there."""
+        """Run the llm: its text, or (stream=True) an async iterator of its pieces
+        (`async for piece in await client.generate(prompt, stream=True)`). The request is
+        submitted by the await, so a refusal raises there, not at the first iteration.
+        `timeout` is the request's deadline (timeout_s); it expires after it."""
         submitted = await self.submit(
             "llm",
             _llm_inputs(prompt, max_tokens, stop_words),

@@ -1,4 +1,5 @@
-"""The synchronous client."""
+# Generated from gateway/client/aio.py by tools/unasync_client.py: edit aio.py, not this file.
+"""The synchronous client (the same API as the asynchronous one, not awaited)."""
 
 from __future__ import annotations
 
@@ -146,13 +147,15 @@ class GatewayClient:
 
     def cancel(self, request_id: str) -> CancelResponse:
         """Stop a request (status canceled, or running while it stops); 409 already_finished."""
-        return CancelResponse.model_validate(self._send(_cancel_call(request_id)).json())
+        response = self._send(_cancel_call(request_id))
+        return CancelResponse.model_validate(response.json())
 
     def search(
         self, text: str | None = None, image: str | None = None, space: str | None = None, k: int = 5
     ) -> SearchResponse:
         """The stored results nearest a text or a base64 image."""
-        return SearchResponse.model_validate(self._send(_search_call(text, image, space, k)).json())
+        response = self._send(_search_call(text, image, space, k))
+        return SearchResponse.model_validate(response.json())
 
     @overload
     def generate(
@@ -188,8 +191,9 @@ class GatewayClient:
         stop_words: list[str] | None = None,
         timeout: float | None = None,
     ) -> str | Iterator[str]:
-        """Run the llm: its text, or (stream=True) an iterator of its pieces. The request
-        is submitted here, so a refusal raises here, not at the first iteration.
+        """Run the llm: its text, or (stream=True) an iterator of its pieces
+        (`for piece in client.generate(prompt, stream=True)`). The request is
+        submitted by the call, so a refusal raises there, not at the first iteration.
         `timeout` is the request's deadline (timeout_s); it expires after it."""
         submitted = self.submit(
             "llm",

@@ -120,6 +120,28 @@ class Shard:
     def idempotency(self, tenant: str, key: str) -> str:
         return f"{self.prefix}idem:{tenant}:{key}"
 
+    def blocked(self, tenant: str) -> str:
+        return f"{self.prefix}blocked:{tenant}"
+
+    def take(self, consumer: str) -> str:
+        return f"{self.prefix}take:{consumer}"
+
+    @property
+    def tenants(self) -> str:
+        return f"{self.prefix}tenants"
+
+    @property
+    def vclock(self) -> str:
+        return f"{self.prefix}vclock"
+
+    @property
+    def started(self) -> str:
+        return f"{self.prefix}started"
+
+    @property
+    def sync(self) -> str:
+        return f"{self.prefix}sync"
+
     @property
     def backlog(self) -> str:
         return f"{self.prefix}backlog"

@@ -23,7 +23,7 @@ from gateway.common.redis import RedisClients
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, supervise
 from gateway.protocol import ResultRecord
-from gateway.server.api import admin, events, operations, results, search, submit
+from gateway.server.api import admin, events, operations, results, search
 from gateway.server.api.edge import Edge
 from gateway.server.api.errors import ErrorRenderer, install_error_handlers
 from gateway.server.api.hot import HotRoutes
@@ -52,7 +52,7 @@ from gateway.server.search.binders import BinderClient
 from gateway.server.search.service import SearchService
 from gateway.server.services import Services
 from gateway.server.settings import GatewaySettings
-from gateway.server.submission import Submitter
+from gateway.server.spine import Submitter
 from gateway.server.tenants.config import TenantLimits, TenantStore
 from gateway.server.tenants.keys import KeyStore, announcer, follow_key_changes
 from gateway.server.tenants.quotas import Quotas
@@ -312,7 +312,12 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         renderers={"/v1/": openai_error},  # OpenAI's error body under /v1
     )
     install_error_handlers(app, errors)
-    for module in (submit, results, events, search, operations, admin, chat, embeddings, responses, files, batches):
+    # POST /infer and GET /results/<id>: implemented once (gateway.server.api.hot), served by
+    # the edge before FastAPI's routing; declared here first, for the OpenAPI document (in
+    # their place) and the router's 405s and redirects.
+    hot = HotRoutes(lambda: app.state.services, errors)
+    hot.declare(app)
+    for module in (results, events, search, operations, admin, chat, embeddings, responses, files, batches):
         app.include_router(module.router)
     app.include_router(conversations.router)
     app.include_router(ui_router)  # the browser page at /ui (its API calls need a key; the page does not)
@@ -328,5 +333,5 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         body_timeout_s=settings.body_timeout_s,
         # An upload's multipart framing adds a little to the file itself.
         uploads={"/v1/files": (settings.max_file_bytes + (1 << 20), max(settings.body_timeout_s, 600.0))},
-        hot=HotRoutes(lambda: app.state.services, errors),
+        hot=hot,
     )

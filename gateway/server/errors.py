@@ -59,3 +59,14 @@ class Busy(Refused):
     def __init__(self, code: str, message: str, *, retry_after_s: int, headers: dict[str, str] | None = None) -> None:
         super().__init__(code, message, headers={**(headers or {}), "Retry-After": str(retry_after_s)})
         self.retry_after_s = retry_after_s
+
+
+# -- a run's own ends (not refusals: no API answers them) ------------------------------------
+
+
+class StaleRun(Exception):
+    """Another run took this request over (this one was presumed dead)."""
+
+
+class LostPieces(Exception):
+    """The stream lost pieces of an earlier run that this run cannot send again."""

@@ -20,7 +20,7 @@ from gateway.server.results.reader import ResultReader
 from gateway.server.search.binders import BinderClient
 from gateway.server.search.service import SearchService
 from gateway.server.settings import GatewaySettings
-from gateway.server.submission import Submitter
+from gateway.server.spine import Submitter
 from gateway.server.tenants.config import TenantStore
 from gateway.server.tenants.keys import KeyStore
 from gateway.server.tenants.quotas import Quotas

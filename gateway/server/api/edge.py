@@ -6,8 +6,10 @@
   body_timeout_s is 408 (slow senders cannot hold a worker); a JSON body must be UTF-8;
 - adds the headers the calls made for the caller left (x-ratelimit-*);
 - counts it by route template, method and status, times it, and logs one access line;
-- and serves the hot routes itself (gateway.server.api.hot) without FastAPI's routing and
-  dependency solving; everything else goes to FastAPI.
+- and serves the hot routes, POST /infer and GET /results/<id>, itself
+  (gateway.server.api.hot) without FastAPI's routing and dependency solving; everything
+  else goes to FastAPI (which declares the hot routes too, for the OpenAPI document and
+  its router's 405s and redirects, and has them answered by the same code).
 
 One layer instead of four: every request crosses it once."""
 

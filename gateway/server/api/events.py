@@ -18,6 +18,7 @@ from gateway.common.streams import stream_id_order
 from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.http import LiveStatus
 from gateway.protocol.redis_keys import shard_of
+from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
@@ -89,7 +90,7 @@ async def sse_events(svc: Services, request_id: str, after: str) -> AsyncIterato
                 queued = event.kind == "queued"
                 yield ServerSentEvent(data=event.data, event=event.kind, id=event.id)
             elif queued:
-                job = await svc.jobs.load(request_id)
+                job = await spine.load(svc.jobs, request_id)
                 standing = await svc.results.standing(job) if job is not None and job.state == State.QUEUED else None
                 queued = standing is not None
                 if standing is not None and standing.model_dump_json() != last:

@@ -1,13 +1,20 @@
-"""The hot routes, served by the edge middleware without FastAPI's routing, dependency
-solving and response validation: POST /infer and GET /results/<id>, the calls every
-request makes. They answer exactly what FastAPI's routes for them answer (the routes stay
-declared there, for the OpenAPI document): the same checks in the same order (a body
-that is not JSON first, then the key, then the parameters and the body), the same
-validation errors, and the same response objects (gateway.server.api.submit and
-results build them for both).
+"""The hot routes, POST /infer and GET /results/<id>, the calls every request makes:
+implemented once, here.
 
-The body is parsed and validated in one pass by pydantic-core (InferRequest's JSON
-schema); only a body that fails takes the slow road, which reproduces FastAPI's errors."""
+The edge middleware (gateway.server.api.edge) serves them before FastAPI's routing,
+dependency solving and response validation. FastAPI's app declares them too
+(HotRoutes.declare), for two things only: the OpenAPI document (their body, parameters
+and responses come from the signatures of `infer` and `get_result` below, which have no
+code) and its router's answers to near misses (another method is 405 with Allow, a
+trailing slash is redirected). A request that does reach a declaration (an app without
+the edge in front) is answered by this same code.
+
+The checks come in FastAPI's order (a body that is not JSON first, then the key, then the
+parameters and the body), the errors in pydantic's shape as FastAPI's validation errors,
+rendered by the ErrorRenderer every route uses. The body is parsed and validated in one
+pass by pydantic-core (InferRequest's JSON schema); only a body that fails takes the slow
+road, which finds every error. The answers are built by gateway.server.api.submit and
+results."""
 
 from __future__ import annotations
 
@@ -17,20 +24,23 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import parse_qsl
 
+from fastapi import FastAPI, Header, Query
+from fastapi.routing import APIRoute
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.protocol.http import InferRequest
+from gateway.protocol.http import Accepted, InferRequest
 from gateway.server.api.errors import NESTED_TOO_DEEP, ApiError, BodyRefused, ErrorRenderer
 from gateway.server.api.results import result_response
 from gateway.server.api.submit import infer_response
 from gateway.server.api.tenancy import identify
 from gateway.server.services import Services
 
+IDEMPOTENCY_MAX = 255  # characters of an Idempotency-Key
+WAIT_MAX_S = 86400  # ?wait=N of GET /results/<id> (then cut to MAX_WAIT_S)
 _BODY_ADAPTER = TypeAdapter(InferRequest)
-_WAIT_ADAPTER: TypeAdapter[float] = TypeAdapter(Annotated[float, Field(ge=0, le=86400)])
-IDEMPOTENCY_MAX = 255
+_WAIT_ADAPTER: TypeAdapter[float] = TypeAdapter(Annotated[float, Field(ge=0, le=WAIT_MAX_S)])
 
 
 class Invalid(Exception):
@@ -49,6 +59,33 @@ class HotRoute:
 
 
 _INFER = HotRoute("/infer", "infer")
+_RESULT = "/results/{request_id}"
+
+
+# The declarations FastAPI documents (HotRoutes.declare): signatures without code. The
+# names make the operation ids (infer_infer_post, get_result_results__request_id__get).
+
+
+async def infer(
+    body: InferRequest,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=IDEMPOTENCY_MAX)] = None,
+    prefer: Annotated[str | None, Header(description="wait=N: hold the response up to N s for the result")] = None,
+    accept: Annotated[str | None, Header(description="text/event-stream: answer with the request's events")] = None,
+) -> None:
+    """Accept a request at once and return its id.
+
+    With `Accept: text/event-stream` the answer is the request's event stream (as from
+    /results/{id}/events), saving a round trip before the first token; the request is
+    queued durably first, and `Location` names it for resuming."""
+
+
+async def get_result(
+    request_id: str,
+    wait: Annotated[
+        float | None, Query(ge=0, le=WAIT_MAX_S, description="Hold up to N s; answer the moment it ends")
+    ] = None,
+) -> Any:  # the record, any JSON object as far as the schema says
+    pass  # (no docstring: it would be the operation's description)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -86,13 +123,57 @@ class HotRoutes:
         self.services = services
         self.errors = errors
 
+    def declare(self, app: FastAPI) -> None:
+        """Declare the hot routes in FastAPI's app, answered by this object: documented in
+        its OpenAPI document, and known to its router (405 for another method, the redirect
+        of a trailing slash), never served by FastAPI's request handling."""
+        documented = APIRoute(
+            "/infer",
+            infer,
+            methods=["POST"],
+            status_code=202,
+            response_model=Accepted,
+            summary="Submit a request",
+            responses={
+                200: {"description": "With `Prefer: wait=N`: the result, if it was ready within N seconds"},
+                413: {"description": "Body too large"},
+                422: {
+                    "description": "Invalid request (unknown_model, invalid_inputs, validation_error, "
+                    "idempotency_key_reused, prompt_too_long)"
+                },
+                429: {"description": "Backlog full; retry after `Retry-After` seconds"},
+                503: {"description": "Redis unavailable (redis_unavailable)"},
+            },
+        )
+        documented.app = self._served(lambda scope: _INFER)
+        app.router.routes.append(documented)
+        documented = APIRoute(
+            _RESULT,
+            get_result,
+            methods=["GET"],
+            summary="Get a result (long-poll with ?wait=N)",
+            responses={404: {"description": "Unknown id"}, 410: {"description": "Result expired"}},
+        )
+        documented.app = self._served(lambda scope: HotRoute(_RESULT, "result", scope["path_params"]["request_id"]))
+        app.router.routes.append(documented)
+
+    def _served(self, route: Callable[[Scope], HotRoute]) -> ASGIApp:
+        """A declaration's ASGI app: the hot route, as the edge would serve it."""
+
+        async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+            scope.setdefault("state", {})
+            await self.handle(route(scope), scope, receive, send)
+
+        return serve
+
     def match(self, method: str, path: str) -> HotRoute | None:
+        """The hot route of a call, as FastAPI's router would match the declarations."""
         if method == "POST" and path == "/infer":
             return _INFER
         if method == "GET" and path.startswith("/results/"):
             request_id = path[len("/results/") :]
             if request_id and "/" not in request_id:
-                return HotRoute("/results/{request_id}", "result", request_id)
+                return HotRoute(_RESULT, "result", request_id)
         return None
 
     async def handle(self, route: HotRoute, scope: Scope, receive: Receive, send: Send) -> None:
@@ -144,7 +225,9 @@ class HotRoutes:
         """The body, valid (fast), or what FastAPI would validate later (raising at once
         for JSON that does not parse, as FastAPI does before anything else)."""
         if not raw:
-            return None, None  # "Field required", after the key is checked
+            # Refused after the key is checked, as a body that is not an object (model_type;
+            # FastAPI's own parsing would say "Field required").
+            return None, None
         if not _is_json(content_type):
             return None, raw  # validated as it is (and refused), after the key is checked
         try:

@@ -1,16 +1,19 @@
-"""GET /results/<id> (poll, or long-poll with ?wait=N), cancel, and webhook replay.
-An id that is not one of ours, or another tenant's, is 404."""
+"""A request's result: the answer to GET /results/<id> (poll, or long-poll with ?wait=N;
+the route itself, its checks and its OpenAPI entry are gateway.server.api.hot), and the
+routes to cancel it and to replay its webhook. An id that is not one of ours, or another
+tenant's, is 404."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.protocol import State, valid_request_id
 from gateway.protocol.http import CancelResponse
+from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.services import Services, services
@@ -27,24 +30,8 @@ def known_id(request_id: str) -> str:
     return request_id
 
 
-@router.get(
-    "/results/{request_id}",
-    summary="Get a result (long-poll with ?wait=N)",
-    responses={404: {"description": "Unknown id"}, 410: {"description": "Result expired"}},
-)
-async def get_result(
-    request_id: str,
-    request: Request,
-    who: Annotated[Caller, Depends(caller)],
-    wait: Annotated[
-        float | None, Query(ge=0, le=86400, description="Hold up to N s; answer the moment it ends")
-    ] = None,
-) -> Any:
-    return await result_response(services(request), who, request_id, wait)
-
-
 async def result_response(svc: Services, who: Caller, request_id: str, wait: float | None) -> Response:
-    """The answer to GET /results/<id> (FastAPI's route and the hot route both call it)."""
+    """The answer to GET /results/<id>, its key and ?wait=N checked (gateway.server.api.hot)."""
     known_id(request_id)
     if wait:
         _, body, _ = await svc.results.wait_json(request_id, min(wait, svc.settings.max_wait_s), who.scope)
@@ -67,7 +54,7 @@ async def cancel(request_id: str, request: Request, who: Annotated[Caller, Depen
         await svc.results.get(request_id, who.scope)  # 404 or 410 ...
         raise ApiError(409, "already_finished", f"{request_id} already finished")  # ... or stored and gone from Redis
     async with svc.results.notifier.watch(request_id) as ended:
-        state = await svc.jobs.cancel(request_id)
+        state = await spine.cancel(svc.jobs, request_id)
         if state is None:
             raise ApiError(409, "already_finished", f"{request_id} already finished")
         if state == State.RUNNING:
@@ -75,7 +62,7 @@ async def cancel(request_id: str, request: Request, who: Annotated[Caller, Depen
                 await asyncio.wait_for(ended, timeout=CANCEL_WAIT_S)
             except TimeoutError:
                 pass
-            job = await svc.jobs.load(request_id)
+            job = await spine.load(svc.jobs, request_id)
             state = job.state if job else state
     if state in (State.SUCCEEDED, State.FAILED, State.EXPIRED):
         raise ApiError(409, "already_finished", f"{request_id} already ended: {state.value}")

@@ -1,21 +1,18 @@
-"""POST /infer: accept a request at once (it is in Redis before the answer goes out)."""
+"""The answer to POST /infer: a request accepted at once (it is in Redis before the answer
+goes out). The route itself, its checks and its OpenAPI entry are gateway.server.api.hot."""
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.protocol import State
 from gateway.protocol.http import Accepted, InferRequest, result_urls
 from gateway.server.api.events import SSE_HEADERS, sse_events
 from gateway.server.api.sse import EventStream
-from gateway.server.api.tenancy import Caller, caller
-from gateway.server.services import Services, services
-
-router = APIRouter()
+from gateway.server.api.tenancy import Caller
+from gateway.server.services import Services
 
 _PREFER_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d{1,6}(?:\.\d{1,6})?)", re.IGNORECASE)
 
@@ -34,38 +31,6 @@ def prefer_wait(prefer: str | None, limit: float) -> float | None:
     return min(float(match.group(1)), limit) if match else None
 
 
-@router.post(
-    "/infer",
-    status_code=202,
-    response_model=Accepted,
-    summary="Submit a request",
-    responses={
-        200: {"description": "With `Prefer: wait=N`: the result, if it was ready within N seconds"},
-        413: {"description": "Body too large"},
-        422: {
-            "description": "Invalid request (unknown_model, invalid_inputs, validation_error, "
-            "idempotency_key_reused, prompt_too_long)"
-        },
-        429: {"description": "Backlog full; retry after `Retry-After` seconds"},
-        503: {"description": "Redis unavailable (redis_unavailable)"},
-    },
-)
-async def infer(
-    body: InferRequest,
-    request: Request,
-    who: Annotated[Caller, Depends(caller)],
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None,
-    prefer: Annotated[str | None, Header(description="wait=N: hold the response up to N s for the result")] = None,
-    accept: Annotated[str | None, Header(description="text/event-stream: answer with the request's events")] = None,
-) -> Any:
-    """Accept a request at once and return its id.
-
-    With `Accept: text/event-stream` the answer is the request's event stream (as from
-    /results/{id}/events), saving a round trip before the first token; the request is
-    queued durably first, and `Location` names it for resuming."""
-    return await infer_response(services(request), who, body, idempotency_key, prefer, accept)
-
-
 async def infer_response(
     svc: Services,
     who: Caller,
@@ -74,7 +39,7 @@ async def infer_response(
     prefer: str | None,
     accept: str | None,
 ) -> Response:
-    """The answer to POST /infer (FastAPI's route and the hot route both call it)."""
+    """The answer to POST /infer, its key, body and headers checked (gateway.server.api.hot)."""
     submission = await svc.submitter.submit(who, body, idempotency_key=idempotency_key)
     request_id = submission.request_id
     wait = prefer_wait(prefer, svc.settings.max_wait_s)

@@ -27,12 +27,13 @@ from typing import Any
 from gateway.common.logs import bind_request_ids
 from gateway.common.redis import REDIS_OUTAGE, RedisClients
 from gateway.common.retry import LoopHealth, supervise
-from gateway.protocol import ErrorInfo, ResultRecord, State
+from gateway.protocol import ResultRecord, State
 from gateway.protocol.redis_keys import CANCEL_CHANNEL, WORK_CHANNEL, Shard
-from gateway.server.dispatch.emitter import LostPieces, StaleRun
+from gateway.server import spine
 from gateway.server.dispatch.leases import LeaseKeeper
 from gateway.server.dispatch.runner import RunControl, Runner
 from gateway.server.dispatch.scheduler import Headroom, ShardPlan
+from gateway.server.errors import StaleRun
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.queue.jobs import Job, JobStore
@@ -44,8 +45,6 @@ log = logging.getLogger(__name__)
 
 # Every shard is asked for every model with room this often, whatever was announced.
 POLL_S = 1.0
-# How long a finished run keeps trying to record its end while Redis is away, past its deadline.
-FINISH_GRACE_S = 30.0
 
 
 @dataclass
@@ -119,7 +118,7 @@ class Dispatcher:
         await self.leases.stop()
         if left:
             try:
-                moved = await self.jobs.handover(self.consumer, left)
+                moved = await spine.hand_over(self.jobs, self.consumer, left)
                 log.info("handed %d running requests on to other gateways", moved)
             except Exception as exc:
                 log.warning(
@@ -221,7 +220,7 @@ class Dispatcher:
                 light = room <= self.headroom.reserve(model, self._slots(model))
                 self.plan.clear(shard.index, model)  # a wake during the call marks it again
                 try:
-                    got = await self.jobs.take(shard, model, self.consumer, light_only=light)
+                    got = await spine.start_next(self.jobs, shard, model, self.consumer, light_only=light)
                 except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): the others go on
                     log.warning("taking %s work from %s failed: %s", model, shard.prefix, type(exc).__name__)
                     continue
@@ -303,8 +302,17 @@ class Dispatcher:
             control = running.control = RunControl(request_id=request_id, attempt=job.attempts, token=job.run)
             control.cancel_requested = job.cancel_requested
             self.metrics.count_queue_wait(job.model, max(0.0, time.time() - job.created_at))
-            record = await self._run(job, control, running)
-            data = await self._finish(job, record, control)
+            record = await spine.run(
+                self.runner,
+                job,
+                control,
+                running.prepared,
+                max_deliveries=self.settings.max_deliveries,
+                on_acquired=lambda: self._acquired(running),
+            )
+            data = await spine.finish(
+                self.jobs, job, record, control.emitter, output_event=self._output_event(job, record)
+            )
             if data is not None:
                 self.notifier.deliver(request_id, data)
                 log.info(
@@ -328,63 +336,6 @@ class Dispatcher:
             self.running.pop(request_id, None)
             self._acquired(running)
             self._wake.set()
-
-    async def _run(self, job: Job, control: RunControl, running: Running) -> ResultRecord:
-        if control.cancel_requested:
-            return job.record(State.CANCELED)
-        if job.deliveries > self.settings.max_deliveries:  # hand-overs (drains) do not count
-            return job.record(
-                State.FAILED,
-                error=ErrorInfo(
-                    code="too_many_attempts", message=f"started {job.deliveries - 1} times without finishing"
-                ),
-            )
-
-        control.on_acquired = lambda: self._acquired(running)
-        try:
-            async with asyncio.timeout(max(0.0, job.deadline - time.time())):
-                return await self.runner.run(job, control, running.prepared)
-        except TimeoutError:
-            # The run was cancelled where it was (its Triton call aborted on the way out):
-            # what it had produced is kept.
-            control.stop()
-            return self.runner.partial(
-                job,
-                control,
-                State.EXPIRED,
-                ErrorInfo(code="deadline_exceeded", message="the request's deadline passed while it ran"),
-            )
-
-    async def _finish(self, job: Job, record: ResultRecord, control: RunControl) -> str | None:
-        """Record the end once: every token event in the stream first, retrying while Redis
-        is away (both steps are idempotent)."""
-        emitter = control.emitter
-        deadline = max(job.deadline, time.time()) + FINISH_GRACE_S
-        delay = 0.05
-        while True:
-            try:
-                if emitter is not None:
-                    await emitter.close(deadline)
-                reply = await self.jobs.finish(
-                    record,
-                    run=job.run,
-                    output_event=self._output_event(job, record),
-                    emitted=emitter.total if emitter is not None else None,
-                )
-            except LostPieces as exc:
-                log.error("request %s: %s", job.request_id, exc)
-                emitter = None
-                continue
-            except REDIS_OUTAGE:
-                if time.time() > deadline:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
-                continue
-            if isinstance(reply, int) and emitter is not None:
-                await emitter.refill(deadline, emitted=reply)
-                continue
-            return reply if isinstance(reply, str) else None
 
     def _acquired(self, running: Running) -> None:
         """The run holds a replica slot now (or ended without one): it no longer counts as waiting."""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from gateway.common.redis import REDIS_OUTAGE
 from gateway.server.dispatch.relay import TokenRelay
+from gateway.server.errors import LostPieces, StaleRun
 from gateway.server.models import Piece
 from gateway.server.queue.jobs import TokenEvent
 
@@ -32,14 +33,6 @@ log = logging.getLogger(__name__)
 
 RETRY_FIRST_S = 0.05
 RETRY_MAX_S = 1.0
-
-
-class StaleRun(Exception):
-    """Another run took this request over (this one was presumed dead)."""
-
-
-class LostPieces(Exception):
-    """The stream lost pieces of an earlier run that this run cannot send again."""
 
 
 class TokenEmitter:

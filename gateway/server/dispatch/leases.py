@@ -34,8 +34,8 @@ from redis.exceptions import NoScriptError
 from gateway.common.redis import REDIS_OUTAGE, RedisClients
 from gateway.protocol.ids import request_id_shard
 from gateway.protocol.redis_keys import Shard
+from gateway.server import spine
 from gateway.server.queue import scripts
-from gateway.server.queue.jobs import renew_args
 
 log = logging.getLogger(__name__)
 
@@ -184,13 +184,12 @@ class LeaseKeeper:
         return ok
 
     def _renew_shard(self, client: Any, renew: Any, shard: Shard, runs: list[tuple[str, str]]) -> bool:
-        args = renew_args(shard, self.consumer, self.lease_ms, runs)
         try:
             try:
-                flags = renew(keys=[shard.leases], args=args)
+                flags = spine.keep_leases(renew, shard, self.consumer, self.lease_ms, runs)
             except NoScriptError:  # a node whose script cache is empty (a promoted replica)
                 client.script_load(scripts.RENEW)
-                flags = renew(keys=[shard.leases], args=args)
+                flags = spine.keep_leases(renew, shard, self.consumer, self.lease_ms, runs)
         except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): the others go on
             log.warning("renewing %d leases in %s failed: %s", len(runs), shard.prefix, type(exc).__name__)
             return False

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from gateway.protocol.redis_keys import Shard, shard_of
+from gateway.server import spine
 from gateway.server.queue.jobs import Emitted, JobStore, TokenEvent
 
 
@@ -62,7 +63,7 @@ class TokenRelay:
         events, waiters = pending.events, pending.waiters
         pending.events, pending.waiters, pending.urgent = [], [], False
         try:
-            replies = await self.jobs.emit_many(shard, events)
+            replies = await spine.emit(self.jobs, shard, events)
         except BaseException as exc:
             for waiter in waiters:
                 if not waiter.done():

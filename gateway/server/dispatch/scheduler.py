@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+
+from cachetools import TTLCache
 
 from gateway.protocol.redis_keys import Shard
 
@@ -39,27 +40,35 @@ FAIR_WINDOW_S = 5.0
 
 
 class Headroom:
-    """Tenants seen lately per model, in order of last sight (O(1) to touch, amortised O(1)
-    to expire), and how many free slots to keep for light ones."""
+    """Tenants seen lately per model (a TTL cache per model: a tenant's entry lives window_s
+    after it was last seen; O(1) to touch, amortised O(1) to expire), and how many free
+    slots to keep for light ones."""
 
     def __init__(self, *, window_s: float = FAIR_WINDOW_S, fraction: float = 0.25) -> None:
         self.window_s = window_s
         self.fraction = fraction
-        self._seen: dict[str, OrderedDict[str, float]] = {}
+        self._clock = _Clock()
+        self._seen: dict[str, TTLCache[str, None]] = {}
 
     def touch(self, model: str, tenant: str, now: float | None = None) -> None:
-        seen = self._seen.setdefault(model, OrderedDict())
-        seen[tenant] = time.monotonic() if now is None else now
-        seen.move_to_end(tenant)
+        seen = self._seen.get(model)
+        if seen is None:
+            seen = self._seen[model] = TTLCache(math.inf, ttl=self.window_s, timer=self._clock)
+        self._clock.now = now
+        try:
+            seen[tenant] = None
+        finally:
+            self._clock.now = None
 
     def recent(self, model: str, now: float | None = None) -> int:
         seen = self._seen.get(model)
-        if not seen:
+        if seen is None:
             return 0
-        horizon = (time.monotonic() if now is None else now) - self.window_s
-        while seen and next(iter(seen.values())) < horizon:
-            seen.popitem(last=False)
-        return len(seen)
+        self._clock.now = now
+        try:
+            return len(seen)  # (drops the entries that expired)
+        finally:
+            self._clock.now = None
 
     def reserve(self, model: str, slots: int, now: float | None = None) -> int:
         """Free slots of `model` kept for light tenants: one per other recent tenant, at
@@ -68,6 +77,18 @@ class Headroom:
         if others <= 0 or slots <= 1:
             return 0
         return min(others, max(1, math.floor(slots * self.fraction)))
+
+
+class _Clock:
+    """Headroom's timer: time.monotonic, or the time its caller passed (`now`, as tests do)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now: float | None = None
+
+    def __call__(self) -> float:
+        return time.monotonic() if self.now is None else self.now
 
 
 class ShardPlan:

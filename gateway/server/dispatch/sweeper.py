@@ -12,7 +12,8 @@ import time
 from redis.asyncio import Redis
 
 from gateway.common.redis import REDIS_OUTAGE
-from gateway.protocol import ErrorInfo, State
+from gateway.protocol import State
+from gateway.server import spine
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.queue.jobs import JobStore
 from gateway.server.replicas import ReplicaPool
@@ -44,7 +45,7 @@ class Sweeper:
     async def sweep(self) -> None:
         for shard in self.jobs.shards:
             try:
-                reclaimed = await self.jobs.reclaim(shard)
+                reclaimed = await spine.reclaim(self.jobs, shard)
             except REDIS_OUTAGE as exc:  # that shard's Redis is away: sweep the others
                 log.warning("reclaiming in %s failed: %s", shard.prefix, type(exc).__name__)
                 continue
@@ -64,14 +65,11 @@ class Sweeper:
         for shard in self.jobs.shards:
             for request_id in await self.redis.zrangebyscore(shard.deadlines, "-inf", now, start=0, num=200):
                 try:
-                    job = await self.jobs.load(request_id)
+                    job = await spine.load(self.jobs, request_id)
                     if job is None:
                         await self.redis.zrem(shard.deadlines, request_id)
                     elif job.state == State.QUEUED or (job.state == State.RUNNING and now > job.deadline + grace):
-                        error = ErrorInfo(
-                            code="deadline_exceeded", message="the request's deadline passed before it ended"
-                        )
-                        await self.jobs.finish(job.record(State.EXPIRED, error=error), allowed=(job.state,))
+                        await spine.expire(self.jobs, job)
                     elif job.state.terminal:
                         await self.redis.zrem(shard.deadlines, request_id)
                 except Exception as exc:  # one bad request must not stop the sweep of the others

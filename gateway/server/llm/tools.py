@@ -216,20 +216,22 @@ def closed_schema(schema: Any, close: bool = True) -> Any:
     (additionalProperties false), as OpenAI's strict mode does, through properties, items,
     anyOf, oneOf, allOf and $defs. An object that combines subschemas at its own level
     (allOf, anyOf, oneOf) is left open, and so are allOf's parts: additionalProperties sees
-    only its own schema's properties, so closing either would refuse the others' properties
-    (anyOf's and oneOf's options each stand alone and are closed)."""
+    only its own schema's properties, so closing either would refuse the others' properties.
+    anyOf's and oneOf's options stand alone and are closed, unless the object beside them
+    has properties of its own (closing an option would refuse those)."""
     if isinstance(schema, list):
         return [closed_schema(part) for part in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
+    own = "properties" in schema or "patternProperties" in schema
     for key, value in schema.items():
         if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
             out[key] = {name: closed_schema(part) for name, part in value.items()}
+        elif isinstance(value, list) and (key == "allOf" or (key in ("anyOf", "oneOf") and own)):
+            out[key] = [closed_schema(part, close=False) for part in value]
         elif key in _SUBSCHEMA or key in _SUBSCHEMAS:
             out[key] = closed_schema(value)
-        elif key == "allOf" and isinstance(value, list):
-            out[key] = [closed_schema(part, close=False) for part in value]
         else:
             out[key] = value
     combined = any(key in schema for key in ("allOf", "anyOf", "oneOf"))

@@ -287,7 +287,7 @@ class EngineRun(Run):
                 logprobs = row - row.max() - np.log(np.exp(row - row.max()).sum())
                 best = np.argpartition(-logprobs, min(top, len(row) - 1))[:top]
                 best = best[np.argsort(-logprobs[best])]
-                entry["top_logprobs"] = [_entry(tokenizer, int(t), float(logprobs[t])) for t in best]
+                entry["top_logprobs"] = [_alternative(tokenizer, int(t), float(logprobs[t])) for t in best]
                 if entry["logprob"] is None:
                     entry["logprob"] = float(logprobs[token])
             self.logprobs.append(entry)  # (logprob None: the engine sent none for it)
@@ -330,14 +330,15 @@ def _optional(result: InferResult, name: str) -> np.ndarray | None:
         return None
 
 
-def _entry(tokenizer: LlmTokenizer, token: int, logprob: float | None) -> dict[str, Any]:
+def _alternative(tokenizer: LlmTokenizer, token: int, logprob: float | None) -> dict[str, Any]:
+    """One of the most likely tokens at a position (OpenAI's TopLogprob: no alternatives of its own)."""
     data = tokenizer.token_bytes(token)
-    return {
-        "token": data.decode("utf-8", errors="replace"),
-        "logprob": logprob,
-        "bytes": list(data),
-        "top_logprobs": [],
-    }
+    return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
+
+
+def _entry(tokenizer: LlmTokenizer, token: int, logprob: float | None) -> dict[str, Any]:
+    """The chosen token at a position, with its alternatives (filled in when asked for)."""
+    return {**_alternative(tokenizer, token, logprob), "top_logprobs": []}
 
 
 class EngineLlmAdapter(ModelAdapter):

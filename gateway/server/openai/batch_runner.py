@@ -32,6 +32,7 @@ from pymongo import ReturnDocument, UpdateOne
 from gateway.common.webhooks import enqueue_openai_event
 from gateway.protocol import ResultRecord
 from gateway.protocol.http import InferRequest
+from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.errors import Busy, Refused
 from gateway.server.openai.batches import (
@@ -301,7 +302,7 @@ class BatchRunner:
         if stopping or expired:
             for line in outstanding:
                 for request_id in line["request_ids"]:
-                    await self.svc.jobs.cancel(request_id)
+                    await spine.cancel(self.svc.jobs, request_id)
             ending = "cancelled" if stopping else "expired"
             outcome: dict[str, Any] = {"outcome": SKIPPED}
             if expired and not stopping:

@@ -17,6 +17,7 @@ from fastapi import Request
 
 from gateway.protocol import ResultRecord, State, WebhookSpec
 from gateway.protocol.http import InferRequest
+from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller
 from gateway.server.llm.tools import ToolFormat
@@ -248,7 +249,7 @@ async def follow(svc: Services, request_id: str) -> AsyncIterator[StreamEvent]:
             yield event
     finally:
         if not ended:
-            await asyncio.shield(svc.jobs.cancel(request_id))
+            await asyncio.shield(spine.cancel(svc.jobs, request_id))
 
 
 async def follow_all(svc: Services, request_ids: list[str]) -> AsyncIterator[tuple[int, StreamEvent]]:

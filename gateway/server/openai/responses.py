@@ -50,6 +50,7 @@ from sse_starlette import ServerSentEvent
 
 from gateway.protocol import ResultRecord, State, request_id_time, valid_request_id
 from gateway.protocol.http import InferRequest, LiveStatus
+from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
@@ -387,7 +388,9 @@ class Output:
             where = {"item_id": self.message_id, "output_index": self.message, "content_index": 0}
             message = self.items[self.message]
             message.update(status=status, content=[part])
-            steps.append(("response.output_text.done", {**where, "text": self.text, "logprobs": logprobs}))
+            steps.append(
+                ("response.output_text.done", {**where, "text": self.text, "logprobs": _without_bytes(logprobs)})
+            )
             steps.append(("response.content_part.done", {**where, "part": copy.deepcopy(part)}))
             steps.append(("response.output_item.done", {"output_index": self.message, "item": copy.deepcopy(message)}))
         return steps
@@ -958,7 +961,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
                 (document["position"],) = await ConversationStore(svc).append(who.scope, settings.conversation, [entry])
             await store.put(who.scope, response_id(request_id), document)
         except Exception:
-            await svc.jobs.cancel(request_id)  # nothing half done: no response without its settings
+            await spine.cancel(svc.jobs, request_id)  # nothing half done: no response without its settings
             raise
     tpb = common.tokens_per_block(svc, body.model)
     fmt = common.tool_format(svc, body.model)
@@ -1068,7 +1071,7 @@ async def delete_response(response: str, request: Request, who: Annotated[Caller
     svc = services(request)
     outcome, _ = await _read(svc, who, response)
     if not outcome.status.terminal:
-        await svc.jobs.cancel(outcome.request_id)  # deleted: nobody could read what it makes
+        await spine.cancel(svc.jobs, outcome.request_id)  # deleted: nobody could read what it makes
     await ResponseStore(svc).delete(who.scope, response)
     return JSONResponse({"id": response, "object": "response", "deleted": True})
 
@@ -1078,9 +1081,22 @@ async def cancel_response(response: str, request: Request, who: Annotated[Caller
     svc = services(request)
     outcome, settings = await _read(svc, who, response)
     if not outcome.status.terminal:
-        await svc.jobs.cancel(outcome.request_id)
+        await spine.cancel(svc.jobs, outcome.request_id)
         outcome = await svc.results.wait(outcome.request_id, 5.0, who.scope)
     model = outcome.model
     return JSONResponse(
         response_object(outcome, settings, common.tokens_per_block(svc, model), common.tool_format(svc, model))
     )
+
+
+def _without_bytes(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The logprobs as the output_text.done event carries them: OpenAI's event has no
+    `bytes` (the output_text part has them)."""
+    return [
+        {
+            "token": entry["token"],
+            "logprob": entry["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry.get("top_logprobs", [])],
+        }
+        for entry in logprobs
+    ]

@@ -243,14 +243,6 @@ class Job:
         return Usage(prompt_tokens=int(prompt), completion_tokens=0)
 
 
-def renew_args(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> list[Any]:
-    """RENEW's arguments: the leases of (request id, run token) runs end lease_ms from now."""
-    args: list[Any] = [shard.prefix, consumer, int(time.time() * 1000) + lease_ms]
-    for request_id, run in runs:
-        args += [request_id, run]
-    return args
-
-
 class _Script(AsyncScript):
     """A Lua script that survives a failover: a node that does not know it (a replica just
     promoted, or a node restarted, whose script cache is empty) gets it loaded, after the
@@ -371,8 +363,16 @@ class JobStore:
             admission.tenant_share,
             run,
         ]
+        keys = [
+            *scripts.shard_keys(shard),
+            *scripts.model_keys(shard, model),
+            *scripts.tenant_keys(shard, model, tenant),
+        ]
         for new in requests:
             idem = new.idempotency
+            keys += [shard.request(new.request_id), shard.events(new.request_id)]
+            if idem:
+                keys.append(shard.idempotency(tenant, idem[0]))
             args += [
                 new.request_id,
                 json.dumps(new.payload, separators=(",", ":")),
@@ -381,7 +381,7 @@ class JobStore:
                 idem[0] if idem else "",
                 json.dumps({"id": new.request_id, "hash": idem[1]}) if idem else "",
             ]
-        reply, missing = await self._replicated(self._submit, [shard.request(requests[0].request_id)], args)
+        reply, missing = await self._replicated(self._submit, keys, args)
         outcome = reply[0]
         if missing and outcome in ("accepted", "started"):
             await self._not_replicated(requests, (start_as, run) if outcome == "started" else None, missing)
@@ -414,7 +414,7 @@ class JobStore:
         `run` the new run's token), or "empty" (nothing waits) or "held" (only tenants
         outside the headroom wait)."""
         reply = await self._take(
-            keys=[shard.backlog],
+            keys=[*scripts.shard_keys(shard), *scripts.model_keys(shard, model), shard.take(consumer)],
             args=[
                 shard.prefix,
                 model,
@@ -442,7 +442,9 @@ class JobStore:
         has its standing: two reads would leave a window in which a dispatcher takes it
         between them (queued, but no longer in any queue)."""
         shard = shard_of(request_id)
-        fields, record, standing = await self._read(keys=[shard.request(request_id)], args=[shard.prefix, request_id])
+        fields, record, standing = await self._read(
+            keys=scripts.read_keys(shard, request_id), args=[shard.prefix, request_id]
+        )
         if not fields:
             return None, None, None
         h = dict(zip(fields[::2], fields[1::2], strict=True))
@@ -462,7 +464,7 @@ class JobStore:
     async def queue_position(self, request_id: str) -> QueueStanding | None:
         """Where a queued request stands (None when it is not queued)."""
         shard = shard_of(request_id)
-        return _standing(await self._queue(keys=[shard.request(request_id)], args=[shard.prefix, request_id]))
+        return _standing(await self._queue(keys=scripts.read_keys(shard, request_id), args=[shard.prefix, request_id]))
 
     async def record_at(self, shard: Shard, entry: str) -> str | None:
         """The record at an entry of the shard's results stream (gone once stored and trimmed)."""
@@ -477,10 +479,12 @@ class JobStore:
 
     async def emit_many(self, shard: Shard, events: list[TokenEvent]) -> list[Emitted]:
         """Token events of several runs of one shard, in one call."""
-        args: list[Any] = [shard.prefix]
+        keys: list[str] = []
+        args: list[Any] = []
         for e in events:
-            args += [e.request_id, e.run, e.index, e.text, e.count, "".join(f"{t}," for t in e.ids)]
-        reply = await self._emit(keys=[shard.leases], args=args)
+            keys += scripts.request_keys(shard, e.request_id)
+            args += [e.run, e.index, e.text, e.count, "".join(f"{t}," for t in e.ids)]
+        reply = await self._emit(keys=keys, args=args)
         return [
             Emitted(str(reply[i]), str(reply[i + 1] or ""), int(reply[i + 2] or 0)) for i in range(0, len(reply), 3)
         ]
@@ -491,10 +495,8 @@ class JobStore:
         dispatch/leases.py, with the same arguments.)"""
         if not runs:
             return []
-        return [
-            int(flag)
-            for flag in await self._renew(keys=[shard.leases], args=renew_args(shard, consumer, self.lease_ms, runs))
-        ]
+        keys, args = scripts.renew_call(shard, consumer, self._lease_end(), runs)
+        return [int(flag) for flag in await self._renew(keys=keys, args=args)]
 
     async def reclaim(self, shard: Shard, limit: int = 200) -> int:
         """Put running requests whose lease ran out back at the front of the line."""
@@ -503,12 +505,14 @@ class JobStore:
     async def handover(self, consumer: str, runs: list[tuple[str, str]]) -> int:
         """Hand this consumer's running requests, (request id, run token), on to other
         dispatchers at once; a hand-over does not count against the delivery limit."""
-        by_shard: dict[Shard, list[str]] = {}
+        by_shard: dict[Shard, list[tuple[str, str]]] = {}
         for request_id, run in runs:
-            by_shard.setdefault(shard_of(request_id), []).extend((request_id, run))
+            by_shard.setdefault(shard_of(request_id), []).append((request_id, run))
         moved = 0
-        for shard, pairs in by_shard.items():
-            moved += int(await self._handover(keys=[shard.leases], args=[shard.prefix, consumer, *pairs]))
+        for shard, shard_runs in by_shard.items():
+            keys = scripts.lease_keys(shard, [request_id for request_id, _ in shard_runs])
+            pairs = [value for pair in shard_runs for value in pair]
+            moved += int(await self._handover(keys=keys, args=[shard.prefix, consumer, *pairs]))
         return moved
 
     async def finish(
@@ -529,7 +533,12 @@ class JobStore:
         shard = shard_of(record.request_id)
         reply, missing = await self._replicated(
             self._finish,
-            [shard.request(record.request_id)],
+            [
+                *scripts.shard_keys(shard),
+                *scripts.model_keys(shard, record.model),
+                *scripts.tenant_keys(shard, record.model, record.tenant),
+                *scripts.request_keys(shard, record.request_id),
+            ],
             [
                 shard.prefix,
                 record.request_id,
@@ -543,6 +552,8 @@ class JobStore:
                 "" if run is None else run,
                 DONE_CHANNEL,
                 "" if emitted is None else emitted,
+                record.model,
+                record.tenant,
             ],
         )
         if reply[0] == "gap":
@@ -571,7 +582,7 @@ class JobStore:
         in its hash, which its dispatcher checks; the pub/sub message is the fast path).
         Returns the state after the call, None if unknown."""
         shard = shard_of(request_id)
-        state = await self._cancel(keys=[shard.request(request_id)], args=[shard.prefix, request_id, CANCEL_CHANNEL])
+        state = await self._cancel(keys=[shard.request(request_id)], args=[request_id, CANCEL_CHANNEL])
         if state == "missing":
             return None
         if state == State.QUEUED.value:

@@ -1,9 +1,13 @@
 """The Lua scripts behind every change of a request's state.
 
-Each script runs over one shard (gateway.protocol.redis_keys): KEYS[1] is a key of that
-shard (it routes the call to the shard's slot on Redis Cluster) and ARGV[1] the shard's
-key prefix, from which the script names the other keys it touches; all of them carry the
-shard's hash tag, so they live in the same slot.
+Each script runs over one shard (gateway.protocol.redis_keys), and every key it knows
+before it runs arrives in KEYS, in the order the functions below (shard_keys, model_keys,
+tenant_keys, request_keys, ...) list them: Redis Cluster routes the call by them and,
+while a slot migrates, redirects or retries it on them. The keys a script can only find
+as it runs (the request TAKE starts and the queue of the tenant it picks, the requests
+RECLAIM finds due, the ready sets a tenant's run unblocks, a queued request's queue) are
+built inside from ARGV[1], the shard's prefix; all of a shard's keys carry its hash tag,
+so they live in its slot (docs/deployment.md: moving a slot safely).
 
 Each script is atomic and idempotent: replayed after a lost reply (the client retries on
 connection errors) it changes nothing more. A replay of SUBMIT or FINISH that finds its
@@ -26,58 +30,117 @@ fair queuing: a tenant's score grows by 1/weight with each request it starts; a 
 that becomes ready joins at the band's current virtual time). TAKE serves the lowest
 score of the highest band, so one decision costs O(log tenants)."""
 
-# Shared helpers: counters that vanish at zero, tenant settings, making a tenant ready.
-_HELPERS = """
-local P = ARGV[1]
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.protocol.redis_keys import BANDS, Shard
+
+# -- The keys, in the order the scripts read them from KEYS ------------------------------
+
+
+def shard_keys(shard: Shard) -> list[str]:
+    """KEYS[1..9] of SUBMIT, TAKE and FINISH: the shard's own keys (see _SHARD)."""
+    return [
+        shard.tenants,
+        shard.running,
+        shard.vclock,
+        shard.backlog,
+        shard.started,
+        shard.leases,
+        shard.deadlines,
+        shard.results,
+        shard.sync,
+    ]
+
+
+def model_keys(shard: Shard, model: str) -> list[str]:
+    """KEYS[10..14] of SUBMIT, TAKE and FINISH: the model's reclaimed list and its ready
+    set in each band (see _MODEL)."""
+    return [shard.reclaimed(model), *(shard.ready(model, band) for band in BANDS)]
+
+
+def tenant_keys(shard: Shard, model: str, tenant: str) -> list[str]:
+    """KEYS[15..19] of SUBMIT and FINISH: the tenant's blocked set and its queue of the
+    model in each band (see _TENANT)."""
+    return [shard.blocked(tenant), *(shard.queue(model, band, tenant) for band in BANDS)]
+
+
+def request_keys(shard: Shard, request_id: str) -> list[str]:
+    """A request's hash, events and token ids (in this order)."""
+    return [shard.request(request_id), shard.events(request_id), shard.tokens(request_id)]
+
+
+def lease_keys(shard: Shard, request_ids: list[str]) -> list[str]:
+    """KEYS of RENEW and HANDOVER: the shard's leases, then each run's request hash."""
+    return [shard.leases, *(shard.request(request_id) for request_id in request_ids)]
+
+
+def renew_call(
+    shard: Shard, consumer: str, lease_end_ms: int, runs: list[tuple[str, str]]
+) -> tuple[list[str], list[Any]]:
+    """RENEW's keys and arguments: the leases of (request id, run token) runs end at lease_end_ms."""
+    args: list[Any] = [consumer, lease_end_ms]
+    for request_id, run in runs:
+        args += [request_id, run]
+    return lease_keys(shard, [request_id for request_id, _ in runs]), args
+
+
+# The shard's keys and the helpers over them: counters that vanish at zero, tenant
+# settings, the concurrency limit, the virtual clock, `sync`.
+_SHARD = """
+local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
+local TENANTS, RUNNING, VCLOCK, BACKLOG, STARTED, LEASES, DEADLINES, RESULTS, SYNC = unpack(KEYS, 1, 9)
 local function num(v) return tonumber(v) or 0 end
 local function decr(key, field, by)
   if by ~= 0 and redis.call('HINCRBY', key, field, -by) <= 0 then redis.call('HDEL', key, field) end
 end
 local function conf(tenant)
-  local c = redis.call('HGET', P .. 'tenants', tenant)
+  local c = redis.call('HGET', TENANTS, tenant)
   if not c then return 1, 0 end
   local w, l = string.match(c, '^(%S+) (%S+)$')
   return num(w) > 0 and num(w) or 1, num(l)
 end
 local function at_limit(tenant)
   local _, limit = conf(tenant)
-  return limit > 0 and num(redis.call('HGET', P .. 'running', 't:' .. tenant)) >= limit
+  return limit > 0 and num(redis.call('HGET', RUNNING, 't:' .. tenant)) >= limit
 end
-local function vnow(mb) return num(redis.call('HGET', P .. 'vclock', mb)) end
--- The tenant has waiting work in (model, band): it joins the ready set at the current
--- virtual time, unless it is at its concurrency limit (then it waits in blocked:<tenant>).
-local function activate(model, band, tenant)
-  local mb = model .. ':' .. band
-  local ready = P .. 'ready:' .. mb
-  if redis.call('ZSCORE', ready, tenant) then return end
-  if at_limit(tenant) then
-    redis.call('SADD', P .. 'blocked:' .. tenant, mb)
-  else
-    redis.call('ZADD', ready, vnow(mb), tenant)
-  end
-end
--- A run of the tenant ended: the ready sets it left at its limit take it back.
-local function unblock(tenant)
-  local blocked = P .. 'blocked:' .. tenant
-  if redis.call('EXISTS', blocked) == 0 or at_limit(tenant) then return end
-  for _, mb in ipairs(redis.call('SMEMBERS', blocked)) do
-    if redis.call('LLEN', P .. 'q:' .. mb .. ':' .. tenant) > 0 then
-      redis.call('ZADD', P .. 'ready:' .. mb, 'NX', vnow(mb), tenant)
-      redis.call('PUBLISH', 'work', P .. string.match(mb, '^(.*):[^:]*$'))
-    end
-  end
-  redis.call('DEL', blocked)
-end
+local function vnow(mb) return num(redis.call('HGET', VCLOCK, mb)) end
 local function counters(band, tenant)
   if band == 'batch' then return 'batch', 'b:' .. tenant end
   return 'all', 't:' .. tenant
 end
 -- A replay that found its own earlier write writes this (it changes nothing), so that
 -- the WAIT after the script on this connection covers the write it found.
-local function sync() redis.call('SET', P .. 'sync', '1', 'PX', 1000) end
+local function sync() redis.call('SET', SYNC, '1', 'PX', 1000) end
 """
 
-# KEYS[1]: the (first) request's hash.
+# The model's keys (model_keys).
+_MODEL = """
+local RECLAIMED = KEYS[10]
+local READY = {high = KEYS[11], normal = KEYS[12], low = KEYS[13], batch = KEYS[14]}
+"""
+
+# The tenant's keys (tenant_keys), and what a run's end changes in the tenant's standing.
+_TENANT = """
+local BLOCKED = KEYS[15]
+local QUEUE = {high = KEYS[16], normal = KEYS[17], low = KEYS[18], batch = KEYS[19]}
+-- A run of the tenant ended: the ready sets it left at its limit take it back. They may
+-- be any model's: their keys are found here, from the blocked set's members.
+local function unblock(tenant)
+  if redis.call('EXISTS', BLOCKED) == 0 or at_limit(tenant) then return end
+  for _, mb in ipairs(redis.call('SMEMBERS', BLOCKED)) do
+    if redis.call('LLEN', P .. 'q:' .. mb .. ':' .. tenant) > 0 then
+      redis.call('ZADD', P .. 'ready:' .. mb, 'NX', vnow(mb), tenant)
+      redis.call('PUBLISH', 'work', P .. string.match(mb, '^(.*):[^:]*$'))
+    end
+  end
+  redis.call('DEL', BLOCKED)
+end
+"""
+
+# KEYS: shard_keys, model_keys, tenant_keys (19), then per request its hash, its events
+#   and, when it has an idempotency key, that key (the request's ARGV says whether).
 # ARGV: prefix, model, tenant, band, now, idempotency ttl, max backlog, max batch backlog,
 #   max backlog bytes, tenant's max queued (0 = none), tenant's reserve, weight, max concurrent,
 #   consumer to start it at once ('' = queue it), lease end (ms), running event data,
@@ -95,12 +158,21 @@ local function sync() redis.call('SET', P .. 'sync', '1', 'PX', 1000) end
 # waiting tenant), it is below its concurrency limit, and (light only) it runs nothing of
 # this model.
 SUBMIT = (
-    _HELPERS
+    _SHARD
+    + _MODEL
+    + _TENANT
     + """
 local model, tenant, band, now, consumer = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[14]
 local k, run = tonumber(ARGV[18]), ARGV[20]
 local function field(i, n) return ARGV[20 + (i - 1) * 6 + n] end
-local h = redis.call('HMGET', KEYS[1], 'state', 'run')
+local REQ, EVENTS, IDEM = {}, {}, {}
+local at = 20
+for i = 1, k do
+  REQ[i], EVENTS[i] = KEYS[at], KEYS[at + 1]
+  at = at + 2
+  if field(i, 5) ~= '' then IDEM[i] = KEYS[at] at = at + 1 end
+end
+local h = redis.call('HMGET', REQ[1], 'state', 'run')
 if h[1] then  -- this very call, replayed after a lost reply
   sync()
   if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == run then return {'started'} end
@@ -108,8 +180,8 @@ if h[1] then  -- this very call, replayed after a lost reply
 end
 local existing = {'existing'}
 for i = 1, k do
-  if field(i, 5) ~= '' then
-    local previous = redis.call('GET', P .. 'idem:' .. tenant .. ':' .. field(i, 5))
+  if IDEM[i] then
+    local previous = redis.call('GET', IDEM[i])
     if previous then existing[#existing + 1] = previous end
   end
 end
@@ -118,7 +190,7 @@ if #existing > 1 then
   return existing
 end
 local total_field, tenant_field = counters(band, tenant)
-local c = redis.call('HMGET', P .. 'backlog', total_field, 'bytes', tenant_field, 'm:' .. model)
+local c = redis.call('HMGET', BACKLOG, total_field, 'bytes', tenant_field, 'm:' .. model)
 local total, bytes, mine, waiting = num(c[1]), num(c[2]), num(c[3]), num(c[4])
 local size = 0
 for i = 1, k do size = size + string.len(field(i, 2)) end
@@ -131,63 +203,70 @@ local cap = band == 'batch' and num(ARGV[8]) or num(ARGV[7])
 if total + k > cap and mine + k > num(ARGV[11]) then
   return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}
 end
-redis.call('HSET', P .. 'tenants', tenant, ARGV[12] .. ' ' .. ARGV[13])
-local q = P .. 'q:' .. model .. ':' .. band .. ':' .. tenant
+redis.call('HSET', TENANTS, tenant, ARGV[12] .. ' ' .. ARGV[13])
+local q = QUEUE[band]
 local function first_in_line()
-  if redis.call('LLEN', q) > 0 or redis.call('LLEN', P .. 'reclaimed:' .. model) > 0 then return false end
+  if redis.call('LLEN', q) > 0 or redis.call('LLEN', RECLAIMED) > 0 then return false end
   for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
     if higher == band then return true end
-    if redis.call('ZCARD', P .. 'ready:' .. model .. ':' .. higher) > 0 then return false end
+    if redis.call('ZCARD', READY[higher]) > 0 then return false end
   end
   return true
 end
-local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', P .. 'running', 'm:' .. model .. ':' .. tenant)) == 0
+local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. tenant)) == 0
 local start_now = k == 1 and consumer ~= '' and light_ok and not at_limit(tenant) and first_in_line()
 for i = 1, k do
   local id, payload = field(i, 1), field(i, 2)
-  local req = P .. 'req:' .. id
-  redis.call('HSET', req, 'state', 'queued', 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
+  redis.call('HSET', REQ[i], 'state', 'queued', 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
     'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'attempts', 0, 'emitted', 0)
-  local events = P .. 'events:' .. id
-  redis.call('XADD', events, '*', 'event', 'queued', 'data',
+  redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data',
     cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))}))
-  redis.call('ZADD', P .. 'deadlines', field(i, 4), id)
-  if field(i, 5) ~= '' then
-    redis.call('SET', P .. 'idem:' .. tenant .. ':' .. field(i, 5), field(i, 6), 'EX', ARGV[6])
-  end
+  redis.call('ZADD', DEADLINES, field(i, 4), id)
+  if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', ARGV[6]) end
   if start_now then
-    redis.call('HSET', req, 'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run)
-    redis.call('HINCRBY', P .. 'running', 't:' .. tenant, 1)
-    redis.call('HINCRBY', P .. 'running', 'm:' .. model .. ':' .. tenant, 1)
-    redis.call('HINCRBY', P .. 'started', model, 1)
-    redis.call('ZADD', P .. 'leases', ARGV[15], id)
-    redis.call('XADD', events, '*', 'event', 'running', 'data', ARGV[16])
+    redis.call('HSET', REQ[i], 'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run)
+    redis.call('HINCRBY', RUNNING, 't:' .. tenant, 1)
+    redis.call('HINCRBY', RUNNING, 'm:' .. model .. ':' .. tenant, 1)
+    redis.call('HINCRBY', STARTED, model, 1)
+    redis.call('ZADD', LEASES, ARGV[15], id)
+    redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', ARGV[16])
     return {'started'}
   end
   redis.call('RPUSH', q, id)
 end
-activate(model, band, tenant)
-redis.call('HINCRBY', P .. 'backlog', total_field, k)
-redis.call('HINCRBY', P .. 'backlog', tenant_field, k)
-redis.call('HINCRBY', P .. 'backlog', 'bytes', size)
-redis.call('HINCRBY', P .. 'backlog', 'm:' .. model, k)
+-- The tenant has waiting work in (model, band): it joins the ready set at the current
+-- virtual time, unless it is at its concurrency limit (then it waits in its blocked set).
+local mb = model .. ':' .. band
+if not redis.call('ZSCORE', READY[band], tenant) then
+  if at_limit(tenant) then
+    redis.call('SADD', BLOCKED, mb)
+  else
+    redis.call('ZADD', READY[band], vnow(mb), tenant)
+  end
+end
+redis.call('HINCRBY', BACKLOG, total_field, k)
+redis.call('HINCRBY', BACKLOG, tenant_field, k)
+redis.call('HINCRBY', BACKLOG, 'bytes', size)
+redis.call('HINCRBY', BACKLOG, 'm:' .. model, k)
 if waiting == 0 then redis.call('PUBLISH', 'work', P .. model) end
 return {'accepted'}
 """
 )
 
-# KEYS[1]: the shard's backlog hash.
+# KEYS: shard_keys, model_keys (14), then the consumer's last take (take:<consumer>).
 # ARGV: prefix, model, consumer, now, lease end (ms), take token (random: the started run's
 #   token too, its fence), light only ('1': only a tenant that runs nothing of this model
 #   now, the headroom kept for light tenants), token ttl (s)
 # Returns {'run', id, request hash, token ids}, {'empty'} or {'held'} (work waits, but only
-# for tenants that are not light: the headroom is kept).
+# for tenants that are not light: the headroom is kept). The request it starts, and the
+# picked tenant's queue and blocked set, are found as it runs: their keys are built here.
 TAKE = (
-    _HELPERS
+    _SHARD
+    + _MODEL
     + """
 local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
-local takekey = P .. 'take:' .. consumer
-local last = redis.call('GET', takekey)
+local TAKEN = KEYS[15]
+local last = redis.call('GET', TAKEN)
 if last then
   local rid, tok = string.match(last, '^(%S+) (%S+)$')
   if tok == token then  -- this very call, replayed after a lost reply: the same answer
@@ -204,26 +283,25 @@ local function start(rid, restarted)
   local h = redis.call('HMGET', req, 'tenant', 'band', 'size', 'emitted')
   if not restarted then
     local total_field, tenant_field = counters(h[2], h[1])
-    decr(P .. 'backlog', total_field, 1)
-    decr(P .. 'backlog', tenant_field, 1)
-    decr(P .. 'backlog', 'bytes', num(h[3]))
-    decr(P .. 'backlog', 'm:' .. model, 1)
-    redis.call('HINCRBY', P .. 'running', 't:' .. h[1], 1)
-    redis.call('HINCRBY', P .. 'running', 'm:' .. model .. ':' .. h[1], 1)
-    redis.call('HINCRBY', P .. 'started', model, 1)
+    decr(BACKLOG, total_field, 1)
+    decr(BACKLOG, tenant_field, 1)
+    decr(BACKLOG, 'bytes', num(h[3]))
+    decr(BACKLOG, 'm:' .. model, 1)
+    redis.call('HINCRBY', RUNNING, 't:' .. h[1], 1)
+    redis.call('HINCRBY', RUNNING, 'm:' .. model .. ':' .. h[1], 1)
+    redis.call('HINCRBY', STARTED, model, 1)
   end
   local attempt = redis.call('HINCRBY', req, 'attempts', 1)
   redis.call('HSET', req, 'state', 'running', 'started_at', now, 'owner', consumer, 'run', token)
-  redis.call('ZADD', P .. 'leases', ARGV[5], rid)
+  redis.call('ZADD', LEASES, ARGV[5], rid)
   redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
     cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
-  redis.call('SET', takekey, rid .. ' ' .. token, 'EX', ARGV[8])
+  redis.call('SET', TAKEN, rid .. ' ' .. token, 'EX', ARGV[8])
   return {'run', rid, redis.call('HGETALL', req), redis.call('GET', P .. 'tokens:' .. rid) or ''}
 end
 -- Requests whose dispatcher died (or handed them over) first: they were running.
-local reclaimed = P .. 'reclaimed:' .. model
 for i = 1, 32 do
-  local rid = redis.call('LPOP', reclaimed)
+  local rid = redis.call('LPOP', RECLAIMED)
   if not rid then break end
   local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner')
   if h[1] == 'running' and not h[2] then return start(rid, true) end
@@ -232,7 +310,7 @@ local light = ARGV[7] == '1'
 local held = false
 for _, band in ipairs({'high', 'normal', 'low', 'batch'}) do
   local mb = model .. ':' .. band
-  local ready = P .. 'ready:' .. mb
+  local ready = READY[band]
   for i = 1, 64 do
     local heads = redis.call('ZRANGE', ready, 0, light and 7 or 0, 'WITHSCORES')
     if #heads == 0 then break end
@@ -243,7 +321,7 @@ for _, band in ipairs({'high', 'normal', 'low', 'batch'}) do
       if at_limit(t) then
         redis.call('ZREM', ready, t)
         redis.call('SADD', P .. 'blocked:' .. t, mb)
-      elseif not light or num(redis.call('HGET', P .. 'running', 'm:' .. model .. ':' .. t)) == 0 then
+      elseif not light or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. t)) == 0 then
         tenant, score = t, tonumber(heads[j + 1])
         break
       end
@@ -259,7 +337,7 @@ for _, band in ipairs({'high', 'normal', 'low', 'batch'}) do
         local weight = conf(tenant)
         redis.call('ZADD', ready, score + 1 / weight, tenant)
       end
-      if head_score > vnow(mb) then redis.call('HSET', P .. 'vclock', mb, head_score) end
+      if head_score > vnow(mb) then redis.call('HSET', VCLOCK, mb, head_score) end
       if rid and redis.call('HGET', P .. 'req:' .. rid, 'state') == 'queued' then return start(rid, false) end
     end
   end
@@ -270,20 +348,21 @@ return {'empty'}
 """
 )
 
-# KEYS[1]: a key of the shard.  ARGV: prefix, then per token event: request id, run token,
-#   index of the first piece, text, piece count, token ids ('1,2,3,' or '')
+# KEYS: per token event, its request's hash, events and token ids (request_keys).
+# ARGV: per token event: run token, index of the first piece, text, piece count, token ids
+#   ('1,2,3,' or '')
 # Token events of several runs of a shard in one call (TokenRelay sends what every stream
 # of the process produced in a window). Returns per event {outcome, event id, pieces
 # emitted}: outcome 'ok', 'cancel' (published, but the request is asked to stop), 'stale'
 # (another run took over), 'gap' (the stream holds fewer pieces than index: send again
 # from there). A replay of pieces already in the stream changes nothing ('ok', '').
 EMIT = """
-local P = ARGV[1]
 local out = {}
-for i = 2, #ARGV, 6 do
-  local id, run, index, text, count, ids = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3],
-    tonumber(ARGV[i + 4]), ARGV[i + 5]
-  local req = P .. 'req:' .. id
+for e = 0, #ARGV / 5 - 1 do
+  local req, events, tokens = KEYS[e * 3 + 1], KEYS[e * 3 + 2], KEYS[e * 3 + 3]
+  local a = e * 5
+  local run, index, text, count, ids = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3], tonumber(ARGV[a + 4]),
+    ARGV[a + 5]
   local h = redis.call('HMGET', req, 'state', 'run', 'emitted', 'cancel')
   local emitted = tonumber(h[3] or '0')
   local outcome = h[4] == '1' and 'cancel' or 'ok'
@@ -295,11 +374,11 @@ for i = 2, #ARGV, 6 do
   elseif index ~= emitted then
     outcome = 'gap'
   else
-    event = redis.call('XADD', P .. 'events:' .. id, '*', 'event', 'token', 'data',
+    event = redis.call('XADD', events, '*', 'event', 'token', 'data',
       cjson.encode({index = index, count = count, text_output = text}), 'i', index, 'n', count)
     emitted = index + count
     redis.call('HSET', req, 'emitted', emitted)
-    if ids ~= '' then redis.call('APPEND', P .. 'tokens:' .. id, ids) end
+    if ids ~= '' then redis.call('APPEND', tokens, ids) end
   end
   out[#out + 1] = outcome
   out[#out + 1] = event
@@ -308,19 +387,18 @@ end
 return out
 """
 
-# KEYS[1]: the shard's leases.  ARGV: prefix, consumer, lease end (ms), then pairs of
-#   request id and its run's token.
+# KEYS: the shard's leases, then per run its request's hash (lease_keys).
+# ARGV: consumer, lease end (ms), then pairs of request id and its run's token.
 # Renews the leases of the runs still ours; returns per run: 1 still ours, 2 ours but
 # asked to cancel, 0 stale (another run took over, or it was handed on).
 RENEW = """
-local P = ARGV[1]
 local out = {}
-for i = 4, #ARGV, 2 do
-  local h = redis.call('HMGET', P .. 'req:' .. ARGV[i], 'state', 'run', 'cancel', 'owner')
-  if h[1] ~= 'running' or h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[2] then
+for i = 3, #ARGV, 2 do
+  local h = redis.call('HMGET', KEYS[(i - 1) / 2 + 1], 'state', 'run', 'cancel', 'owner')
+  if h[1] ~= 'running' or h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[1] then
     out[#out + 1] = 0
   else
-    redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i])
+    redis.call('ZADD', KEYS[1], ARGV[2], ARGV[i])
     out[#out + 1] = h[3] == '1' and 2 or 1
   end
 end
@@ -329,7 +407,8 @@ return out
 
 # KEYS[1]: the shard's leases.  ARGV: prefix, now (ms), limit
 # Running requests whose lease ran out (their dispatcher died or stalled) go to the front
-# of the line (`reclaimed:<model>`), to be started again by any dispatcher.
+# of the line (`reclaimed:<model>`), to be started again by any dispatcher. Which requests
+# they are is found here: their keys are built from the prefix.
 RECLAIM = """
 local P = ARGV[1]
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))
@@ -348,17 +427,18 @@ for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
 return #due
 """
 
-# KEYS[1]: the shard's leases.  ARGV: prefix, consumer, then pairs of request id and its
-#   run's token.
+# KEYS: the shard's leases, then per run its request's hash (lease_keys).
+# ARGV: prefix, consumer, then pairs of request id and its run's token.
 # A stopping dispatcher hands its running requests on: each goes to the front of the line
 # at once (no lease to wait out), if it is still running and still this run's. A hand-over
 # is counted (`handovers`): it is no failed delivery, the delivery limit leaves it out.
+# (The reclaimed list is the request's model's, read from its hash: built here.)
 HANDOVER = """
 local P = ARGV[1]
 local moved = 0
 local woken = {}
 for i = 3, #ARGV, 2 do
-  local req = P .. 'req:' .. ARGV[i]
+  local req = KEYS[(i - 1) / 2 + 1]
   local h = redis.call('HMGET', req, 'state', 'model', 'owner', 'run')
   if h[1] == 'running' and h[3] == ARGV[2] and h[4] == ARGV[i + 1] then
     redis.call('HDEL', req, 'owner')
@@ -373,20 +453,24 @@ for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
 return moved
 """
 
-# KEYS[1]: the request hash.
+# KEYS: shard_keys, model_keys, tenant_keys (19) of the request's model and tenant, then
+#   its hash, events and token ids (request_keys).
 # ARGV: prefix, id, status, record, finished_at, terminal event, ttl, allowed states (a,b),
 #   '1' for an `output` event (the whole outputs, when they were not streamed), run token
 #   ('' = not a run: cancel, expiry), done channel, pieces the run emitted ('' = not a
-#   streamed run)
+#   streamed run), model, tenant (those the keys were named for)
 # Returns {1} when applied, {0} when the request was not in an allowed state (or the run
 # is stale), {'gap', emitted} when the stream holds fewer pieces than the run sent (Redis
 # lost writes: send them again first). {0} writes `sync`: it may be this very call,
 # replayed after a lost reply, and the WAIT after it must cover the finish it found.
 FINISH = (
-    _HELPERS
+    _SHARD
+    + _MODEL
+    + _TENANT
     + """
-local req, id = KEYS[1], ARGV[2]
-local h = redis.call('HMGET', req, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted')
+local REQ, EVENTS, TOKENS = KEYS[20], KEYS[21], KEYS[22]
+local id = ARGV[2]
+local h = redis.call('HMGET', REQ, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted')
 local state = h[1]
 local allowed = false
 for s in string.gmatch(ARGV[8], '[^,]+') do
@@ -396,37 +480,38 @@ if not allowed or (ARGV[10] ~= '' and h[2] ~= ARGV[10]) then
   sync()
   return {0}
 end
-if ARGV[12] ~= '' and num(h[8]) < num(ARGV[12]) then return {'gap', num(h[8])} end
 local model, band, tenant = h[3], h[4], h[5]
+if model ~= ARGV[13] or tenant ~= ARGV[14] then
+  return redis.error_reply('FINISH of ' .. id .. ' named the keys of another model or tenant')
+end
+if ARGV[12] ~= '' and num(h[8]) < num(ARGV[12]) then return {'gap', num(h[8])} end
 if state == 'queued' then
   local total_field, tenant_field = counters(band, tenant)
-  decr(P .. 'backlog', total_field, 1)
-  decr(P .. 'backlog', tenant_field, 1)
-  decr(P .. 'backlog', 'bytes', num(h[6]))
-  decr(P .. 'backlog', 'm:' .. model, 1)
-  local q = P .. 'q:' .. model .. ':' .. band .. ':' .. tenant
-  redis.call('LREM', q, 1, id)
-  if redis.call('LLEN', q) == 0 then redis.call('ZREM', P .. 'ready:' .. model .. ':' .. band, tenant) end
+  decr(BACKLOG, total_field, 1)
+  decr(BACKLOG, tenant_field, 1)
+  decr(BACKLOG, 'bytes', num(h[6]))
+  decr(BACKLOG, 'm:' .. model, 1)
+  redis.call('LREM', QUEUE[band], 1, id)
+  if redis.call('LLEN', QUEUE[band]) == 0 then redis.call('ZREM', READY[band], tenant) end
 elseif state == 'running' then
-  decr(P .. 'running', 't:' .. tenant, 1)
-  decr(P .. 'running', 'm:' .. model .. ':' .. tenant, 1)
-  redis.call('ZREM', P .. 'leases', id)
-  if not h[7] then redis.call('LREM', P .. 'reclaimed:' .. model, 1, id) end
+  decr(RUNNING, 't:' .. tenant, 1)
+  decr(RUNNING, 'm:' .. model .. ':' .. tenant, 1)
+  redis.call('ZREM', LEASES, id)
+  if not h[7] then redis.call('LREM', RECLAIMED, 1, id) end
   unblock(tenant)
 end
 -- The record is written once, to the results stream (for the binders); the output and
 -- terminal events name its entry, and readers take the record from there (or, once it is
 -- stored and trimmed away, from MongoDB).
-local entry = redis.call('XADD', P .. 'results', '*', 'id', id, 'record', ARGV[4])
-redis.call('HSET', req, 'state', ARGV[3], 'finished_at', ARGV[5], 'result', entry)
-redis.call('HDEL', req, 'payload', 'owner')
-local events = P .. 'events:' .. id
-if ARGV[9] ~= '' then redis.call('XADD', events, '*', 'event', 'output', 'record', entry) end
-redis.call('XADD', events, '*', 'event', ARGV[6], 'record', entry)
-redis.call('ZREM', P .. 'deadlines', id)
-redis.call('DEL', P .. 'tokens:' .. id)
-redis.call('EXPIRE', req, ARGV[7])
-redis.call('EXPIRE', events, ARGV[7])
+local entry = redis.call('XADD', RESULTS, '*', 'id', id, 'record', ARGV[4])
+redis.call('HSET', REQ, 'state', ARGV[3], 'finished_at', ARGV[5], 'result', entry)
+redis.call('HDEL', REQ, 'payload', 'owner')
+if ARGV[9] ~= '' then redis.call('XADD', EVENTS, '*', 'event', 'output', 'record', entry) end
+redis.call('XADD', EVENTS, '*', 'event', ARGV[6], 'record', entry)
+redis.call('ZREM', DEADLINES, id)
+redis.call('DEL', TOKENS)
+redis.call('EXPIRE', REQ, ARGV[7])
+redis.call('EXPIRE', EVENTS, ARGV[7])
 -- The message carries the record, so a waiting client needs no further read.
 redis.call('PUBLISH', ARGV[11], id .. '\\n' .. ARGV[4])
 return {1}
@@ -436,7 +521,8 @@ return {1}
 # Where a queued request stands: {its place in its tenant's queue, tenants ready in its
 # band, how many of them go before its tenant in this round, tenants ready in higher
 # bands plus requests reclaimed (they all go first), requests of its model started in the
-# shard so far}.
+# shard so far}. The request's model, band and tenant are read from its hash: the queue
+# and ready keys are built here.
 _STANDING = """
 local function standing(P, id, model, band, tenant)
   local mb = model .. ':' .. band
@@ -448,11 +534,12 @@ local function standing(P, id, model, band, tenant)
     first = first + redis.call('ZCARD', P .. 'ready:' .. model .. ':' .. higher)
   end
   return {redis.call('LPOS', P .. 'q:' .. mb .. ':' .. tenant, id) or 0, tenants,
-    redis.call('ZRANK', ready, tenant) or tenants, first, redis.call('HGET', P .. 'started', model) or '0'}
+    redis.call('ZRANK', ready, tenant) or tenants, first, redis.call('HGET', KEYS[3], model) or '0'}
 end
 """
 
-# KEYS[1]: the request hash.  ARGV: prefix, id.
+# KEYS: the request's hash, the shard's results stream, the shard's started counters
+#   (read_keys).  ARGV: prefix, id.
 # Where a queued request stands (see _STANDING); false when it is not queued.
 QUEUE = (
     _STANDING
@@ -463,7 +550,7 @@ return standing(ARGV[1], ARGV[2], h[2], h[3], h[4])
 """
 )
 
-# KEYS[1]: the request hash.  ARGV: prefix, id.
+# KEYS: as QUEUE.  ARGV: prefix, id.
 # The request's hash, in one atomic read with what goes with its state: {hash, the record
 # (when it has ended and the results stream still holds it) or false, where it stands
 # (when it is queued, see _STANDING) or false}. One read: a request read as queued always
@@ -475,7 +562,7 @@ local h = redis.call('HGETALL', KEYS[1])
 local f = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant', 'result')
 if f[1] == 'queued' then return {h, false, standing(ARGV[1], ARGV[2], f[2], f[3], f[4])} end
 if f[5] then
-  local found = redis.call('XRANGE', ARGV[1] .. 'results', f[5], f[5])
+  local found = redis.call('XRANGE', KEYS[2], f[5], f[5])
   if found[1] then
     local fields = found[1][2]
     for i = 1, #fields, 2 do
@@ -487,13 +574,19 @@ return {h, false, false}
 """
 )
 
-# KEYS[1]: the request hash.  ARGV: prefix, id, cancel channel.
+
+def read_keys(shard: Shard, request_id: str) -> list[str]:
+    """KEYS of READ and QUEUE."""
+    return [shard.request(request_id), shard.results, shard.started]
+
+
+# KEYS[1]: the request hash.  ARGV: id, cancel channel.
 # Never re-creates a hash that has expired.
 CANCEL = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
 if state ~= 'queued' and state ~= 'running' then return state end
 redis.call('HSET', KEYS[1], 'cancel', '1')
-if state == 'running' then redis.call('PUBLISH', ARGV[3], ARGV[2]) end
+if state == 'running' then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
 return state
 """
