@@ -20,7 +20,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from gateway.stack import signals, weights
-from gateway.stack.devices import Device, place, resolve_device
+from gateway.stack.devices import Device, gpu_instances, place, resolve_device
 from gateway.stack.owners import TRITON_SHM_PREFIX, owned_processes, run_id, shm_regions
 from gateway.stack.process import (
     LaunchError,
@@ -40,11 +40,18 @@ _WEIGHT_ENV = {"LLM_MODEL_DIR": "llm", "CLIP_MODEL_DIR": "clip"}
 
 
 def prepare_model_repo(
-    source: Path, target: Path, notes: dict[str, str], device: Device = "cpu", synthetic_decode_us: int | None = None
+    source: Path,
+    target: Path,
+    notes: dict[str, str],
+    device: Device = "cpu",
+    synthetic_decode_us: int | None = None,
+    instances: int | None = None,
 ) -> Path:
     """Copy the model repository, render each model's config for the device (devices.py)
     and record in it where its weights come from (`weights` parameter, shown by Triton's
-    /v2/models/<m>/config); synthetic_decode_us: llm_synthetic's decode step, if set."""
+    /v2/models/<m>/config); synthetic_decode_us: llm_synthetic's decode step, if set;
+    instances: of each GPU tower and its feeders on cuda (default: from the cores)."""
+    instances = instances if instances is not None else gpu_instances()
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
@@ -54,7 +61,7 @@ def prepare_model_repo(
         for env_name, family in _WEIGHT_ENV.items():
             if env_name in model_dir:
                 config.parameters["weights"].string_value = notes[family]
-        place(config, device)
+        place(config, device, instances)
         if synthetic_decode_us is not None and config.name == "llm_synthetic":
             config.parameters["decode_us"].string_value = str(synthetic_decode_us)
         config_path.write_text(text_format.MessageToString(config))

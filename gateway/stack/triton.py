@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.stack.devices import Device
+from gateway.stack.devices import Device, threads_per_instance
 from gateway.stack.owners import TRITON_SHM_PREFIX, new_owner
 from gateway.stack.process import LaunchError, ServiceSpec, make_private_tree
 from gateway.stack.weights import offline_env
@@ -78,9 +78,9 @@ class TritonInstall:
             # The models load from local directories: no Hugging Face hub (unless the user says).
             **offline_env(),
         }
-        if device == "cpu":
-            # Torch on CPU: let Triton's instances share the cores instead of each taking all.
-            env["OMP_NUM_THREADS"] = "1"
+        # Torch in each stub: let Triton's instances share the cores instead of each taking
+        # all (on cuda the towers run several instances: devices.gpu_instances).
+        env["OMP_NUM_THREADS"] = "1" if device == "cpu" else str(threads_per_instance())
         return env
 
 

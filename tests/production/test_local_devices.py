@@ -22,8 +22,8 @@ NOTES = {"llm": "tiny gpt2 (test)", "clip": "tiny clip (test)"}
 TOWERS = {"text_embed", "clip_vision", "clip_text_encoder"}
 
 
-def _render(tmp_path: Path, device: devices.Device) -> dict[str, model_config_pb2.ModelConfig]:
-    repo = prepare_model_repo(MODEL_REPO / "local", tmp_path / f"repo-{device}", NOTES, device)
+def _render(tmp_path: Path, device: devices.Device, instances: int = 1) -> dict[str, model_config_pb2.ModelConfig]:
+    repo = prepare_model_repo(MODEL_REPO / "local", tmp_path / f"repo-{device}", NOTES, device, instances=instances)
     return check_repo(repo)
 
 
@@ -81,6 +81,23 @@ def test_on_cuda_the_llm_engine_uses_cuda_and_the_cpu_steps_stay_on_the_cpu(tmp_
             assert _as_written(config) == _as_written(source[name]), name
 
 
+def test_on_cuda_the_towers_and_the_cpu_steps_feeding_them_run_as_many_instances(tmp_path: Path) -> None:
+    source = load_repo(MODEL_REPO / "local")
+    rendered = _render(tmp_path, "cuda", instances=8)
+    for name in TOWERS:
+        assert [(g.kind, g.count) for g in rendered[name].instance_group] == [(KIND_GPU, 8)]
+    for name in devices.GPU_FEEDERS:
+        assert [(g.kind, g.count) for g in rendered[name].instance_group] == [(KIND_CPU, 8)]
+    for name, config in rendered.items():
+        if name not in TOWERS and name not in devices.GPU_FEEDERS:
+            assert _as_written(config) == _as_written(source[name]), name
+
+
+def test_instances_on_cuda_are_one_per_two_cores_within_one_to_eight() -> None:
+    assert [devices.gpu_instances(cores) for cores in (1, 2, 3, 8, 16, 64)] == [1, 1, 1, 4, 8, 8]
+    assert [devices.threads_per_instance(cores) for cores in (1, 2, 8, 16, 64)] == [1, 2, 2, 2, 8]
+
+
 def test_every_ensemble_step_takes_the_ensembles_batches_on_either_device(tmp_path: Path) -> None:
     for device in ("cpu", "cuda"):
         rendered = _render(tmp_path, device)
@@ -91,10 +108,10 @@ def test_every_ensemble_step_takes_the_ensembles_batches_on_either_device(tmp_pa
                 assert rendered[step.model_name].max_batch_size >= config.max_batch_size, (device, step.model_name)
 
 
-def test_the_one_thread_cap_is_for_the_cpu_only() -> None:
+def test_each_stub_takes_one_thread_on_cpu_and_its_share_of_the_cores_on_cuda() -> None:
     install = TritonInstall.find()
     assert install.environment("cpu")["OMP_NUM_THREADS"] == "1"
-    assert "OMP_NUM_THREADS" not in install.environment("cuda")
+    assert install.environment("cuda")["OMP_NUM_THREADS"] == str(devices.threads_per_instance())
 
 
 def test_stack_device_setting(monkeypatch: pytest.MonkeyPatch) -> None:
