@@ -90,19 +90,9 @@ class Submitter:
         keys = [idempotency_key] if idempotency_key else None
         return await accept(self, who, [body], idempotency_keys=keys, batch=batch, extra_payload=extra_payload)
 
-    async def submit_many(
-        self,
-        who: Caller,
-        bodies: list[InferRequest],
-        *,
-        idempotency_keys: list[str] | None = None,
-        batch: bool = False,
-        extra_payload: dict[str, Any] | None = None,
-        flex: bool = False,
-    ) -> Submission:
-        return await accept(
-            self, who, bodies, idempotency_keys=idempotency_keys, batch=batch, extra_payload=extra_payload, flex=flex
-        )
+    async def submit_many(self, who: Caller, bodies: list[InferRequest], **options: Any) -> Submission:
+        """Validate and queue requests of one model, all or none (accept's options)."""
+        return await accept(self, who, bodies, **options)
 
 
 async def accept(

@@ -1,5 +1,6 @@
 """The dispatcher: asyncio tasks in every gateway process that start queued requests
-(TAKE, which picks by the policy in scheduler.py), run them, and finish them.
+(TAKE, which picks by the policy in scheduler.py), run them, and finish them, each stage
+through gateway.server.spine (the order of a request's life is read there).
 
 - Asks for a model's work only while its replicas have a free slot, keeping the headroom
   for light tenants (scheduler.Headroom); asks the shards where work was announced
