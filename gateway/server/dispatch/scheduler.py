@@ -14,9 +14,10 @@
    of its runs ends.
 5. **Headroom for light tenants.** While other tenants were active on a model lately
    (within `FAIR_WINDOW_S`), a dispatcher keeps its last free slots of that model for
-   tenants that run nothing of it now: one slot per such recent tenant, at most
-   `fair_headroom` of the model's slots. A light tenant's request then starts at once
-   instead of waiting for a heavy tenant's run to end; a tenant alone gets every slot
+   tenants that run nothing of it now: one slot per other recent tenant (whether it runs
+   something now or not), at most `fair_headroom` of the model's slots but at least one.
+   A light tenant's request then starts at once instead of waiting for a heavy tenant's
+   run to end; a tenant alone gets every slot
    (work-conserving but for that headroom, and never more held back than there are other
    recent tenants).
 
@@ -72,7 +73,8 @@ class Headroom:
 
     def reserve(self, model: str, slots: int, now: float | None = None) -> int:
         """Free slots of `model` kept for light tenants: one per other recent tenant, at
-        most `fraction` of the model's slots (0 when at most one tenant is about)."""
+        most `fraction` of the model's slots but at least one (0 when at most one tenant is
+        about, or the model has one slot)."""
         others = self.recent(model, now) - 1
         if others <= 0 or slots <= 1:
             return 0
