@@ -32,7 +32,6 @@ score of the highest band, so one decision costs O(log tenants)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from gateway.protocol.redis_keys import BANDS, Shard
@@ -40,10 +39,9 @@ from gateway.protocol.redis_keys import BANDS, Shard
 # -- The keys, in the order the scripts read them from KEYS ------------------------------
 
 
-@functools.cache  # a shard's and a model's keys are named once, not on every call
-def shard_keys(shard: Shard) -> tuple[str, ...]:
+def shard_keys(shard: Shard) -> list[str]:
     """KEYS[1..9] of SUBMIT, TAKE and FINISH: the shard's own keys (see _SHARD)."""
-    return (
+    return [
         shard.tenants,
         shard.running,
         shard.vclock,
@@ -53,14 +51,13 @@ def shard_keys(shard: Shard) -> tuple[str, ...]:
         shard.deadlines,
         shard.results,
         shard.sync,
-    )
+    ]
 
 
-@functools.cache
-def model_keys(shard: Shard, model: str) -> tuple[str, ...]:
+def model_keys(shard: Shard, model: str) -> list[str]:
     """KEYS[10..14] of SUBMIT, TAKE and FINISH: the model's reclaimed list and its ready
     set in each band (see _MODEL)."""
-    return (shard.reclaimed(model), *(shard.ready(model, band) for band in BANDS))
+    return [shard.reclaimed(model), *(shard.ready(model, band) for band in BANDS)]
 
 
 def tenant_keys(shard: Shard, model: str, tenant: str) -> list[str]:
