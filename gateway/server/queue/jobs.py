@@ -19,6 +19,7 @@ same, so the WAIT after it covers the write it found (scripts.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -32,7 +33,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from gateway.common.redis import GroupCommit, NotReplicated, RedisClients
+from gateway.common.redis import REDIS_OUTAGE, GroupCommit, NotReplicated, RedisClients
 from gateway.protocol import (
     TERMINAL_EVENT,
     ErrorInfo,
@@ -243,12 +244,19 @@ class Job:
         return Usage(prompt_tokens=int(prompt), completion_tokens=0)
 
 
+# A script a promoted node does not know is loaded there this many times at most, the
+# slot map read again before each (a failover may still be settling).
+SCRIPT_RELOADS = 5
+
+
 class _Script(AsyncScript):
     """A Lua script that survives a failover: a node that does not know it (a replica just
-    promoted, or a node restarted, whose script cache is empty) gets it loaded, after the
-    slot map is read again if the first load did not reach it (a map from before the
-    failover names the old primaries). On one Redis with a group commit, its calls share
-    pipelines with the other script calls of their turn of the event loop."""
+    promoted, or a node restarted, whose script cache is empty) gets it loaded. On a
+    cluster the slot map is read again and the script loaded on the node that owns the
+    call's slot now, not through the map the failed call used (a map from before the
+    failover names the old primaries, and a load sent through it fails on the dead one).
+    On one Redis with a group commit, its calls share pipelines with the other script
+    calls of their turn of the event loop."""
 
     group: GroupCommit | None = None
 
@@ -260,10 +268,19 @@ class _Script(AsyncScript):
         except NoScriptError:
             target = client if client is not None else self.registered_client
             manager = getattr(target, "nodes_manager", None)
-            if manager is None:
+            if manager is None or not keys:
                 raise
-            await manager.initialize()  # the cluster's current primaries
-            return await super().__call__(keys=keys, args=args, client=client)
+        for attempt in range(SCRIPT_RELOADS):
+            try:
+                await manager.initialize()  # the cluster's current primaries
+                node = target.get_node_from_key(keys[0])
+                await target.execute_command("SCRIPT LOAD", self.script, target_nodes=node)
+                return await super().__call__(keys=keys, args=args, client=client)
+            except (NoScriptError, *REDIS_OUTAGE):
+                if attempt == SCRIPT_RELOADS - 1:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
 
 
 class JobStore:
