@@ -119,13 +119,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--max-active", default="", help="the engine's limit (default: the largest concurrency)")
     parser.add_argument("--models-dir", type=Path, default=Path(".stack/models"))
+    parser.add_argument(
+        "--decode",
+        default="auto",
+        choices=("auto", "eager", "static"),
+        help="auto: model.py's choice (static on CUDA where supported); eager: HfBackend; static: StaticBackend",
+    )
     args = parser.parse_args()
 
     import torch
 
     sys.path.insert(0, str(ENGINE_DIR))
     import engine as llm
+    import static_decode
     from kv_blocks import BlockCache
+    from transformers import AutoConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,7 +146,10 @@ def main() -> None:
     counts = [int(c) for c in args.concurrency.split(",")]
     path = model_dir(args.model, args.models_dir)
     loaded = time.perf_counter()
-    backend = llm.HfBackend(path, device=device, dtype=dtype)
+    static = args.decode == "static" or (
+        args.decode == "auto" and device.startswith("cuda") and static_decode.supports(AutoConfig.from_pretrained(path))
+    )
+    backend = (static_decode.StaticBackend if static else llm.HfBackend)(path, device=device, dtype=dtype)
     loaded = time.perf_counter() - loaded
     limits = llm.size_limits(
         device=device,
@@ -148,16 +159,22 @@ def main() -> None:
         max_active=args.max_active or str(max(counts)),
         free_memory=torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else None,
     )
+    kv_tokens: int | None = limits.kv_blocks * 32
+    if static:  # as model.py sizes it: the static cache, and the rest for the prefix cache
+        rows = backend.allocate(limits.max_active, limits.kv_blocks * 32)
+        limits = llm.Limits(max_active=rows, kv_blocks=max(1, (limits.kv_blocks * 32 - backend.static_tokens) // 32))
+        kv_tokens = None
     engine = llm.Engine(
         backend,
         BlockCache(32, limits.kv_blocks),
         max_active=limits.max_active,
         on_step=lambda _: None,
-        kv_tokens=limits.kv_blocks * 32,
+        kv_tokens=kv_tokens,
     )
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else ""
     print(
-        f"model {path}: loaded in {loaded:.1f}s, {device}{gpu} {dtype}, torch {torch.__version__}, "
+        f"model {path}: loaded in {loaded:.1f}s, {device}{gpu} {dtype}, "
+        f"{'static cache, graph decode' if static else 'eager decode'}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} CPU threads"
     )
     print(

@@ -22,6 +22,7 @@ ENGINE_DIR = Path(__file__).resolve().parents[1] / "model_repo" / "local" / "llm
 sys.path.insert(0, str(ENGINE_DIR))
 
 import engine as llm  # noqa: E402
+import static_decode  # noqa: E402
 from kv_blocks import BlockCache  # noqa: E402
 
 WAIT_S = 120  # a generous bound on waiting for a condition, never a pace
@@ -130,9 +131,16 @@ class Runner:
         self.engine.close()
 
 
-@pytest.fixture(params=["gpt2", "llama"])
+@pytest.fixture(params=["gpt2", "llama", "gpt2-static", "llama-static"])
 def backend(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Any:
-    return llm.HfBackend(str(model_dirs[request.param]))
+    """Each model on HfBackend, and on StaticBackend (its decode step over a static cache,
+    eager here: the same code a CUDA graph captures on a GPU)."""
+    kind, _, static = request.param.partition("-")
+    if not static:
+        return llm.HfBackend(str(model_dirs[kind]))
+    backend = static_decode.StaticBackend(str(model_dirs[kind]))
+    backend.allocate(8, 1 << 20)
+    return backend
 
 
 @pytest.fixture

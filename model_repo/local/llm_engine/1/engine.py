@@ -519,9 +519,8 @@ class HfBackend(ContextWindow):
         # Row i: [padding | its cached prefix] as past, then [its suffix | padding] as input.
         past = None
         if past_width:
-            layers = range(len(next(blocks for blocks in found if blocks)[0]))
-            data = [(self._past(found, past_width, i, 0), self._past(found, past_width, i, 1)) for i in layers]
-            past = DynamicCache(data, config=self.model.config)
+            cached = self._past(found, past_width)
+            past = DynamicCache([(layer[0], layer[1]) for layer in cached], config=self.model.config)
         ids = torch.tensor([x + [x[-1]] * (width - len(x)) for x in suffixes], device=self.device)
         starts = [past_width - r for r in reused]  # each row's first column
         columns = torch.arange(past_width + width, device=self.device)
@@ -554,35 +553,43 @@ class HfBackend(ContextWindow):
         rows = logits[torch.arange(n, device=self.device), torch.tensor(picked, device=self.device)]
         # The first tokens, before anything lasting changes (the prefix cache, the batch):
         # a sequence that fails here is retried alone and must leave nothing behind.
-        for sequence in sequences:
-            sequence.state = torch.Generator(device=self.device).manual_seed(sequence.sampling.seed)
+        for sequence in sequences:  # (greedy rows draw nothing: no generator to make)
+            if not sequence.sampling.greedy:
+                sequence.state = torch.Generator(device=self.device).manual_seed(sequence.sampling.seed)
         tokens = self._sample(rows, sequences)
         for row, sequence in enumerate(sequences):
             if sequence.sampling.context_logits:  # (its whole prompt is its suffix: nothing reused)
                 sequence.context_logits = logits[row, : len(sequence.prompt)].float().cpu().numpy()
         lengths = [len(s.prompt) for s in sequences]
         prefilled = self._right_align(out.past_key_values, starts, lengths)
-        for row, (sequence, prompt_keys, blocks) in enumerate(zip(sequences, keys, found, strict=True)):
+        # A block's payload is one tensor [layers, 2 (keys, values), 1, heads, tokens, dim],
+        # cut from every layer stacked once: one copy per block, not two per block and layer.
+        stacked = None
+        if any(len(prompt_keys) > len(blocks) for prompt_keys, blocks in zip(keys, found, strict=True)):
+            stacked = torch.stack([torch.stack((layer.keys, layer.values)) for layer in prefilled.cache.layers])
+        for row, (prompt_keys, blocks) in enumerate(zip(keys, found, strict=True)):
             offset = prefilled.width - lengths[row]
-            fresh = []
-            for index in range(len(blocks), len(prompt_keys)):
-                cut = (slice(row, row + 1), slice(None), slice(offset + index * tpb, offset + (index + 1) * tpb))
-                layers = prefilled.cache.layers
-                fresh.append(tuple((layer.keys[cut].clone(), layer.values[cut].clone()) for layer in layers))
+            fresh = [
+                stacked[:, :, row : row + 1, :, offset + index * tpb : offset + (index + 1) * tpb].clone()
+                for index in range(len(blocks), len(prompt_keys))
+            ]
             cache.insert(prompt_keys[len(blocks) :], fresh)
+        del stacked
         prefilled.sequences = list(sequences)
         self.pending = prefilled if self.pending is None else self._concat(self.pending, prefilled)
         return tokens
 
-    def _past(self, found: list[list[Any]], width: int, layer: int, kind: int) -> Any:
-        """One layer's keys (kind 0) or values (1) of the rows' cached blocks, [rows, heads,
-        width, head_dim], each row's blocks in its last columns, zeros before them."""
-        sample = next(blocks for blocks in found if blocks)[0][layer][kind]
-        tensor = sample.new_zeros((len(found), sample.shape[1], width, sample.shape[3]))
+    def _past(self, found: list[list[Any]], width: int) -> Any:
+        """Every layer's keys and values of the rows' cached blocks, [layers, 2 (keys,
+        values), rows, heads, width, head_dim], each row's blocks in its last columns, zeros
+        before them (one copy per row)."""
+        sample = next(blocks for blocks in found if blocks)[0]  # [layers, 2, 1, heads, tokens, dim]
+        layers, _, _, heads, tokens_per_block, dim = sample.shape
+        tensor = sample.new_zeros((layers, 2, len(found), heads, width, dim))
         for row, blocks in enumerate(found):
             if blocks:
-                tokens = len(blocks) * sample.shape[2]
-                tensor[row, :, width - tokens :] = self.torch.cat([block[layer][kind][0] for block in blocks], dim=1)
+                tokens = len(blocks) * tokens_per_block
+                tensor[:, :, row, :, width - tokens :] = self.torch.cat(blocks, dim=4)[:, :, 0]
         return tensor
 
     def _right_align(self, cache: Any, starts: list[int], lengths: list[int]) -> _Rows:

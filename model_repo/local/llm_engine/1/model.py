@@ -45,8 +45,10 @@ It reports TensorRT-LLM's metric families (nv_trt_llm_kv_cache_block_metrics,
 nv_trt_llm_request_metrics) through the python backend's custom-metrics API, so the gateway
 reads both profiles alike.
 
-Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype,
-tokens_per_block, max_active_requests, kv_cache_memory, kv_cache_max_blocks (the last
+Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype, decode (auto:
+the static cache and CUDA graphs of static_decode.py on CUDA for the models it supports, or
+eager: HfBackend's decode step everywhere), coalesce_streamed_tokens (auto: true on CUDA;
+see responder.py), tokens_per_block, max_active_requests, kv_cache_memory, kv_cache_max_blocks (the last
 three `auto`: sized from the device, see engine.size_limits), exclude_input_in_output,
 lookahead_window_size, lookahead_ngram_size, lookahead_verification_set_size, and for the
 synthetic engine prefill_us_per_token, decode_us, context_length."""
@@ -67,6 +69,8 @@ sys.path.append(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__
 
 from engine import Engine, HfBackend, Limits, Sampling, Sequence, SyntheticBackend, size_limits  # noqa: E402
 from kv_blocks import BlockCache  # noqa: E402
+from responder import Outbox, Responder  # noqa: E402
+from static_decode import StaticBackend, supports  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 LOOKAHEAD = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
@@ -119,13 +123,16 @@ def word_list(array, row: int) -> list[list[int]]:
 
 
 class Group:
-    """The sequences of one request: its response sender, and which of them still run (the
-    request's last response carries the final flag)."""
+    """The sequences of one request: its response sender, which of them still run (the
+    request's last response carries the final flag), and whether Triton cancelled it."""
 
-    def __init__(self, sender, count: int) -> None:
+    def __init__(self, sender, count: int, request=None) -> None:
         self.sender = sender
+        self.request = request
         self.pending = count
         self.lock = threading.Lock()
+        self.cancelled = False
+        self.checked_at = time.monotonic()
 
     def send(self, response, final: bool) -> None:
         """A sequence's response; `final`: that sequence's last one."""
@@ -139,6 +146,23 @@ class Group:
             return
         self.sender.send(response, flags=FINAL if last else 0)
 
+    def check_cancelled(self, older_than: float) -> bool:
+        """Whether Triton cancelled the request, asked again (a round trip to the server) when
+        the last answer is older than `older_than` seconds."""
+        if not self.cancelled and time.monotonic() - self.checked_at >= older_than:
+            self.checked_at = time.monotonic()
+            self.cancelled = bool(
+                (hasattr(self.sender, "is_cancelled") and self.sender.is_cancelled())
+                or (self.request is not None and hasattr(self.request, "is_cancelled") and self.request.is_cancelled())
+            )
+        return self.cancelled
+
+
+# A running request's cancellation is asked of Triton after its responses at most this
+# often, and by the engine's own check when nothing was sent for it for IDLE_CANCEL_CHECK_S.
+CANCEL_CHECK_S = 0.02
+IDLE_CANCEL_CHECK_S = 0.2
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -148,6 +172,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         model_dir = os.path.expandvars(params.get("model_dir", ""))
         kind = params.get("engine", "hf")
+        self.on_cuda = False
         tokens_per_block = int(params.get("tokens_per_block", "32"))
         max_active = params.get("max_active_requests", "auto")
         kv_blocks = params.get("kv_cache_max_blocks", "auto")
@@ -192,10 +217,16 @@ class TritonPythonModel:
             device = params.get("device", "auto")
             if device == "auto":
                 device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.on_cuda = device.startswith("cuda")
             dtype = params.get("dtype", "auto")
             if dtype == "auto":
                 dtype = "float16" if device.startswith("cuda") else "float32"
-            backend = HfBackend(model_dir, device=device, dtype=dtype)
+            static = False
+            if device.startswith("cuda") and params.get("decode", "auto") != "eager":
+                from transformers import AutoConfig
+
+                static = supports(AutoConfig.from_pretrained(model_dir))
+            backend = (StaticBackend if static else HfBackend)(model_dir, device=device, dtype=dtype)
             eos = getattr(backend.model.generation_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
             self.default_end_id = int(eos) if eos is not None else -1
@@ -215,14 +246,28 @@ class TritonPythonModel:
                 free_memory=torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else None,
             )
             kv_tokens = limits.kv_blocks * tokens_per_block
+            decoding = "eager decode"
+            if isinstance(backend, StaticBackend):
+                # The static cache holds every running sequence whole (no padded batch to
+                # count); the prefix cache gets the rest of the budget.
+                rows = backend.allocate(limits.max_active, kv_tokens)
+                rest = max(1, (kv_tokens - backend.static_tokens) // tokens_per_block)
+                limits = Limits(max_active=rows, kv_blocks=rest)
+                decoding = f"static cache of {rows} x {backend.columns} tokens, CUDA-graph decode"
+                kv_tokens = None
             pb_utils.Logger.log_info(
-                f"{self.model_name}: {device} {dtype}, up to {limits.max_active} sequences at once, KV budget "
-                f"{limits.kv_blocks} blocks of {tokens_per_block} tokens "
-                f"({kv_tokens * backend.kv_bytes_per_token / 2**20:.0f} MiB)"
+                f"{self.model_name}: {device} {dtype}, {decoding}, up to {limits.max_active} sequences at once, "
+                f"prefix/KV budget {limits.kv_blocks} blocks of {tokens_per_block} tokens "
+                f"({limits.kv_blocks * tokens_per_block * backend.kv_bytes_per_token / 2**20:.0f} MiB)"
             )
         self.cache = BlockCache(tokens_per_block, limits.kv_blocks)
         self.max_active = limits.max_active
         self._metrics()
+        # Several tokens to a streamed response while the sender lags: on CUDA by default
+        # (the engine outruns one sender there), never on the CPU (each token its own).
+        coalesce = params.get("coalesce_streamed_tokens", "auto").strip().lower()
+        self.coalesce = coalesce in ("1", "true") or (coalesce == "auto" and self.on_cuda)
+        self.responder = Responder(lambda text: pb_utils.Logger.log_verbose(f"llm responder: {text}"))
         self.engine = Engine(
             backend, self.cache, max_active=self.max_active, on_step=self._report, kv_tokens=kv_tokens
         )
@@ -360,7 +405,7 @@ class TritonPythonModel:
             if count > 1 and not self.decoupled:
                 raise ValueError("num_return_sequences > 1 requires the decoupled transaction policy")
             plans.extend((row, index) for index in range(count))
-        group = Group(sender, len(plans))
+        group = Group(sender, len(plans), request)
         numbered = {
             "batch": batch > 1,
             "sequence": any(int(rows.value("num_return_sequences", row, 1)) > 1 for row in range(batch)),
@@ -439,11 +484,14 @@ class TritonPythonModel:
         if numbered["sequence"]:
             extra.append(pb_utils.Tensor("sequence_index", np.array([[index]], dtype=np.int32)))
 
-        def send(tokens: list[int], final: bool) -> None:
+        def send(tokens: list[int], final: bool) -> None:  # (on the engine's thread: queued)
+            first = len(sequence.generated) - len(tokens)  # (the engine sends the last ones)
+            self.responder.put(outbox, ("tokens", first, list(tokens), final, sequence.last_token_ns))
+
+        def respond(first: int, tokens: list[int], final: bool, last_token_ns: int) -> None:
             if final and not tokens and streaming:
                 group.send(None, True)
                 return
-            first = len(sequence.generated) - len(tokens)  # (the engine sends the last ones)
             # A response that is not streamed holds the prompt first unless it is excluded.
             ids = tokens if streaming or exclude_input else prompt + tokens
             outputs = [
@@ -472,7 +520,7 @@ class TritonPythonModel:
                 outputs.append(pb_utils.Tensor("num_output_tokens", np.array([[len(ids)]], dtype=np.int32)))
             if perf_metrics:
                 now = time.time_ns()
-                first_token, last_token = sequence.first_token_ns or now, sequence.last_token_ns or now
+                first_token, last_token = sequence.first_token_ns or now, last_token_ns or now
                 total_blocks = -(-len(prompt) // tpb)
                 for name, value in (
                     ("kv_cache_reused_blocks", sequence.reused_blocks),
@@ -492,16 +540,23 @@ class TritonPythonModel:
                 outputs.append(pb_utils.Tensor("acceptance_rate", np.array([[0.0]], dtype=np.float32)))
             group.send(pb_utils.InferenceResponse(output_tensors=outputs), final)
 
-        def fail(message: str) -> None:
+        def fail(message: str) -> None:  # (on the engine's thread: queued)
+            self.responder.put(outbox, ("error", message))
+
+        def respond_error(message: str) -> None:
             code = pb_utils.TritonError.INVALID_ARG if message.startswith("invalid input") else pb_utils.TritonError.INTERNAL
             group.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), True)
 
         def cancelled() -> bool:
-            return bool(
-                (hasattr(group.sender, "is_cancelled") and group.sender.is_cancelled())
-                or (hasattr(request, "is_cancelled") and request.is_cancelled())
-            )
+            return group.check_cancelled(IDLE_CANCEL_CHECK_S)
 
+        def after_responses() -> None:
+            # Never once the request's final response went: its sender is gone then (asking
+            # it crashed the stub).
+            if group.pending > 0:
+                group.check_cancelled(CANCEL_CHECK_S)
+
+        outbox = Outbox(respond, respond_error, after_responses, coalesce=self.coalesce)
         sequence = Sequence(
             request_id=request.request_id(), prompt=prompt, sampling=sampling, streaming=streaming,
             send=send, fail=fail, cancelled=cancelled,
@@ -551,3 +606,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.close()
+        self.responder.close()
