@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 import redis
 
+from bench.redis_info import RedisSample, RedisWindow
 from gateway.stack.process import ManagedProcess, free_port, port_is_free, stop_processes, wait_until
 from gateway.stack.services import form_redis_cluster, redis_cluster_node_spec, redis_spec
 
@@ -154,22 +155,8 @@ def _cpu(pids: list[int]) -> float:
     return total
 
 
-def _stats(ports: list[int]) -> list[dict[str, Any]]:
-    found = []
-    for port in ports:
-        client = redis.Redis(port=port, decode_responses=True)
-        try:
-            commands = client.info("commandstats")
-            found.append(
-                {
-                    **client.info("stats"),
-                    **client.info("memory"),
-                    "exec_usec": sum(float(stat["usec"]) for stat in commands.values()),
-                }
-            )
-        finally:
-            client.close()
-    return found
+def _stats(ports: list[int]) -> list[RedisSample]:
+    return [RedisSample.at(f"redis://127.0.0.1:{port}") for port in ports]
 
 
 def _flush(ports: list[int]) -> None:
@@ -289,13 +276,10 @@ def run_phase(
     wall = max(r["wall_s"] for r in results)
     latencies = sorted(x for r in results for x in r["latencies"])
 
-    def delta(name: str) -> float:
-        return sum(float(a.get(name, 0)) - float(b.get(name, 0)) for a, b in zip(after, before, strict=True))
-
-    commands = [
-        float(a["total_commands_processed"]) - float(b["total_commands_processed"])
-        for a, b in zip(after, before, strict=True)
-    ]
+    windows = [RedisWindow.between(b, a) for b, a in zip(before, after, strict=True)]
+    total = sum(windows, RedisWindow())
+    commands = [float(w.commands) for w in windows]
+    memory = sum(float(a.info["used_memory"] - b.info["used_memory"]) for b, a in zip(before, after, strict=True))
     return Row(
         deployment=deployment.name,
         wait=wait,
@@ -305,14 +289,14 @@ def run_phase(
         p50_ms=round(statistics.median(latencies) * 1000, 3) if latencies else 0.0,
         p99_ms=round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 3) if latencies else 0.0,
         primary_cpu_us=round(cpu_p / done * 1e6, 1),
-        exec_us=round(delta("exec_usec") / done, 1),
+        exec_us=round(total.exec_usec / done, 1),
         replica_cpu_us=round(cpu_r / done * 1e6, 1),
         client_cpu_us=round(sum(r["cpu_s"] for r in results) / done * 1e6, 1),
         commands=round(sum(commands) / done, 2),
-        bytes_in=round(delta("total_net_input_bytes") / done),
-        bytes_out=round(delta("total_net_output_bytes") / done),
+        bytes_in=round(total.bytes_in / done),
+        bytes_out=round(total.bytes_out / done),
         # Emits: the events stream's growth is below what the allocator's noise allows to see.
-        memory_bytes=round(delta("used_memory") / done) if phase != "emit" else 0,
+        memory_bytes=round(memory / done) if phase != "emit" else 0,
         primary_share=[round(c / max(1.0, sum(commands)), 2) for c in commands],
     )
 

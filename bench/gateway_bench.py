@@ -25,7 +25,10 @@ Sections (--sections, comma separated; open,closed,ttft,v1,relay by default):
 Every gateway row also reports the gateway's CPU per request (or per relayed token):
 the change of utime + stime of the gateway processes (found by the port they listen
 on, workers included) over the row's measured window, divided by what it served
-(bench/cpu.py). Error texts are printed under each table.
+(bench/cpu.py). The closed section's gateway rows also report what the stack's Redis did
+per request over their windows (bench/redis_info.py: every command, those inside the
+scripts too; its CPU; bytes in and out), with --redis-commands which commands those were.
+Error texts are printed under each table.
 
 The HTTP load comes from aiohttp, a lighter client than httpx, so that the client's own
 cost on this small machine is not counted as gateway overhead. With several
@@ -62,6 +65,7 @@ import numpy as np
 import tritonclient.grpc.aio as triton_aio
 
 from bench.cpu import ProcessCpu
+from bench.redis_info import RedisSample, RedisWindow
 from bench.stack import local_stack
 from gateway.server.models import ModelAdapter
 from gateway.server.models.registry import LOCAL_PROFILE, build_adapter
@@ -113,12 +117,15 @@ class Samples:
     started: float = 0.0
     ended: float = 0.0
     cpu_s: float = 0.0  # the gateway's CPU over the measured windows
+    redis: RedisWindow | None = None  # what the stack's Redis did over them, when measured
 
     def add(self, other: Samples) -> None:
         self.latencies += other.latencies
         self.errors += other.errors
         self.ended += other.ended - other.started  # accumulated wall time of the slices
         self.cpu_s += other.cpu_s
+        if other.redis is not None:
+            self.redis = other.redis if self.redis is None else self.redis + other.redis
 
     def pct(self, q: float) -> float:
         return pct(self.latencies, q)
@@ -133,6 +140,13 @@ class Samples:
 
     def cpu_ms(self) -> str:
         return f"{self.cpu_s * 1000 / self.served:.2f}" if self.served and self.cpu_s else ""
+
+    def redis_cells(self) -> list[str]:
+        """Redis per request: commands, CPU µs, bytes in, bytes out."""
+        r, n = self.redis, self.served
+        if r is None or not n:
+            return [""] * 4
+        return [f"{r.commands / n:.1f}", f"{r.cpu_s * 1e6 / n:.0f}", f"{r.bytes_in / n:.0f}", f"{r.bytes_out / n:.0f}"]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -473,9 +487,10 @@ async def section_closed(args: argparse.Namespace, calls: dict[str, Call], http:
         f"Throughput, model `{args.model}`, closed loop with {args.clients} concurrent clients "
         f"in {args.client_processes} client process(es), {args.rounds} x {args.slice:g} s per mode:",
         "",
-        row("mode", "requests", "errors", "req/s", "p50 ms", "p99 ms", "vs direct", "gateway CPU ms/req"),
-        row(*["---"] * 8),
-    ]
+        row("mode", "requests", "errors", "req/s", "p50 ms", "p99 ms", "vs direct", "gateway CPU ms/req",
+            "Redis cmds/req", "Redis CPU µs/req", "Redis in B/req", "Redis out B/req"),
+        row(*["---"] * 12),
+    ]  # fmt: skip
     totals = {mode: Samples() for mode in calls}
     pool = None
     if args.client_processes > 1:
@@ -483,16 +498,41 @@ async def section_closed(args: argparse.Namespace, calls: dict[str, Call], http:
     for _ in range(args.rounds):
         for mode, call in calls.items():
             cpu = http.cpu_seconds if mode != "direct" else (lambda: 0.0)
+            redis_url = args.redis_url if mode != "direct" else None
+            before = RedisSample.at(redis_url) if redis_url else None
             if pool is None:
-                totals[mode].add(await closed_loop(call, args.clients, args.slice, cpu))
+                samples = await closed_loop(call, args.clients, args.slice, cpu)
             else:
-                totals[mode].add(await closed_loop_in_processes(pool, args, mode, cpu))
+                samples = await closed_loop_in_processes(pool, args, mode, cpu)
+            if redis_url and before is not None:
+                samples.redis = RedisWindow.between(before, RedisSample.at(redis_url))
+            totals[mode].add(samples)
     if pool is not None:
         pool.shutdown()
     for mode, s in totals.items():
         lines.append(row(mode, len(s.latencies), sum(s.errors.values()), f"{s.rate:.0f}", f"{s.pct(50):.2f}",
-                         f"{s.pct(99):.2f}", ratio(s.rate, totals["direct"].rate), s.cpu_ms()))  # fmt: skip
+                         f"{s.pct(99):.2f}", ratio(s.rate, totals["direct"].rate), s.cpu_ms(),
+                         *s.redis_cells()))  # fmt: skip
+    if args.redis_commands:
+        lines += redis_command_lines(totals)
     return lines + error_lines(totals)
+
+
+def redis_command_lines(totals: dict[str, Samples]) -> list[str]:
+    """Which Redis commands the gateway modes' requests cost, per request (the commands
+    run inside the scripts counted apart from the EVALSHA that ran them)."""
+    per_request = {
+        mode: Counter({name: calls / s.served for name, calls in s.redis.calls.items()})
+        for mode, s in totals.items()
+        if s.redis is not None and s.served
+    }
+    if not per_request:
+        return []
+    lines = ["", "Redis commands per request:", "", row("command", *per_request)]
+    lines.append(row(*["---"] * (len(per_request) + 1)))
+    for name, _ in sum(per_request.values(), Counter()).most_common():
+        lines.append(row(name, *(f"{counts[name]:.2f}" for counts in per_request.values())))
+    return lines
 
 
 async def section_ttft(args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http: Gateways) -> list[str]:
@@ -647,8 +687,11 @@ def make_calls(triton: triton_aio.InferenceServerClient, http: Gateways, model: 
     }
 
 
-async def run(args: argparse.Namespace, gateway_urls: list[str], triton_url: str, api_key: str) -> str:
+async def run(
+    args: argparse.Namespace, gateway_urls: list[str], triton_url: str, api_key: str, redis_url: str | None = None
+) -> str:
     args.urls, args.triton, args.api_key = gateway_urls, triton_url, api_key  # for client processes
+    args.redis_url = redis_url
     triton = triton_aio.InferenceServerClient(triton_url)
     http = Gateways(gateway_urls, api_key)
     calls = make_calls(triton, http, args.model)
@@ -702,6 +745,10 @@ def main() -> None:
     parser.add_argument("--gateway-url", help="running gateways (comma separated), with --triton-url")
     parser.add_argument("--triton-url")
     parser.add_argument("--api-key", default="", help="with --gateway-url")
+    parser.add_argument("--redis-url", help="with --gateway-url: the stack's Redis, for the Redis columns")
+    parser.add_argument(
+        "--redis-commands", action="store_true", help="print which Redis commands a request costs (closed section)"
+    )
     parser.add_argument("--tokenizer-dir", help="the LLM's tokenizer directory (default $LLM_MODEL_DIR)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
@@ -716,14 +763,16 @@ def main() -> None:
         os.environ["LLM_MODEL_DIR"] = args.tokenizer_dir
     if args.gateway_url and args.triton_url:
         urls = [u.strip() for u in args.gateway_url.split(",") if u.strip()]
-        report = asyncio.run(run(args, urls, args.triton_url, args.api_key))
+        report = asyncio.run(run(args, urls, args.triton_url, args.api_key, args.redis_url))
     else:
         # The relay runs every stream at once: the gateway may keep that many on one replica.
         inflight = str(max(32, args.streams + 8, *args.llm_streams))
         with local_stack(gateway_workers=args.workers, REPLICA_MAX_INFLIGHT=inflight) as endpoints:
             assert endpoints.stack is not None
             os.environ.setdefault("LLM_MODEL_DIR", endpoints.stack.service_env["LLM_MODEL_DIR"])
-            report = asyncio.run(run(args, [endpoints.gateway], endpoints.triton_grpc, endpoints.api_key))
+            report = asyncio.run(
+                run(args, [endpoints.gateway], endpoints.triton_grpc, endpoints.api_key, endpoints.redis)
+            )
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"report": report}, out)

@@ -5,8 +5,14 @@ package (each sample counted once, for the innermost frame of a known package). 
 `llm_synthetic`) and records the gateway while it relays (py-spy samples only busy
 threads, so the direct phase, when the gateway idles, adds little).
 
+With --functions N it also prints the N functions of the gateway's own code (and the
+library calls it makes) with the most samples beneath them (inclusive), in µs of CPU per
+request of the recorded slice (rate × seconds requests); --summarize reads a raw file
+recorded before instead of running.
+
 Run:  .venv/bin/python -m bench.profile_gateway --rate 200 --seconds 12
       .venv/bin/python -m bench.profile_gateway --relay 200 --seconds 40
+      .venv/bin/python -m bench.profile_gateway --rate 250 --seconds 12 --summarize /tmp/raw.txt --functions 40
 Needs py-spy (`.venv/bin/pip install py-spy`); raw stacks are kept in --raw.
 """
 
@@ -28,6 +34,10 @@ PACKAGES = [
     "logging", "json", "httptools", "asyncio", "tenacity", "sse_starlette", "contextlib", "threading",
 ]  # fmt: skip
 WARM_UP_S = 6.0  # the benchmark warms every path for 2 s first
+SAMPLE_RATE = 200  # py-spy samples a second
+# The process's entry (function, file), not a request's work.
+ENTRY = {("<module>", "gateway/cli.py"), ("main", "gateway/cli.py"), ("serve", "gateway/cli.py")}
+ENTRY.add(("serve", "gateway/server/serve.py"))
 
 
 def summarize(raw: Path) -> str:
@@ -52,13 +62,56 @@ def summarize(raw: Path) -> str:
     return "\n".join(lines)
 
 
+def inclusive(raw: Path, requests: float, top: int) -> str:
+    """The gateway's functions (and the first library function each calls) by the samples
+    beneath them, each sample counted once per function, in µs per request; and each one's
+    own: the samples where it is the innermost function of ours."""
+    counts: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        names = []
+        innermost = ""  # the innermost of ours: its "own" time (with the library calls under it)
+        caller_is_ours = False
+        for frame in stack.split(";"):
+            found = re.match(r"\s*(\S+) \((.*?):\d+\)", frame)
+            if not found:
+                continue
+            function, path = found.group(1), found.group(2)
+            ours = "gateway/" in path and (function, "gateway/" + path.rpartition("gateway/")[2]) not in ENTRY
+            if ours:
+                names.append(innermost := f"{function} ({path.rpartition('gateway/')[2]})")
+            elif caller_is_ours:
+                names.append(f"{function} ({path.rpartition('/')[2]}, from the gateway)")
+            caller_is_ours = ours
+        for name in set(names):
+            counts[name] += int(count)
+        if innermost:
+            own[innermost] += int(count)
+    per_sample_us = 1e6 / SAMPLE_RATE / requests
+    lines = ["| function | inclusive µs/request | own µs/request |", "| --- | --- | --- |"]
+    lines += [
+        f"| {name} | {n * per_sample_us:.0f} | {own[name] * per_sample_us:.0f} |" for name, n in counts.most_common(top)
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=200)
     parser.add_argument("--seconds", type=float, default=12, help="how long to record (the slice is 2 s longer)")
     parser.add_argument("--relay", type=int, default=0, help="profile the relay of this many streams instead")
     parser.add_argument("--raw", type=Path, default=Path("/tmp/gateway-profile.txt"))
+    parser.add_argument("--functions", type=int, default=0, help="also the top N functions, per request")
+    parser.add_argument("--summarize", type=Path, help="a raw file recorded before: only summarize it")
     args = parser.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize))
+        if args.functions:
+            print("\n" + inclusive(args.summarize, args.rate * args.seconds, args.functions))
+        return
     slice_s = args.seconds + 2
     log = Path("/tmp/gateway-profile-bench.log")
     command = [sys.executable, "-m", "bench.gateway_bench", "--sections", "open", "--rates", f"{args.rate:g}"]
@@ -79,11 +132,13 @@ def main() -> None:
             if not args.relay:
                 time.sleep(WARM_UP_S + slice_s + 1)  # past the warm-up and the direct slice
             spy = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "--nonblocking"]
-            spy += ["-d", f"{args.seconds:g}", "-r", "200", "-f", "raw", "-o", str(args.raw)]
+            spy += ["-d", f"{args.seconds:g}", "-r", str(SAMPLE_RATE), "-f", "raw", "-o", str(args.raw)]
             subprocess.run(spy, check=not args.relay, capture_output=True)  # the relay may end first
         finally:
             bench.wait()
     print(summarize(args.raw))
+    if args.functions and not args.relay:
+        print("\n" + inclusive(args.raw, args.rate * args.seconds, args.functions))
 
 
 if __name__ == "__main__":

@@ -499,6 +499,31 @@ async def test_nothing_per_tenant_is_left_when_the_work_is_done(store: JobStore)
         assert await store.redis.zcard(SHARD.ready("m", band)) == 0
 
 
+# -- the cost of a request ---------------------------------------------------------------------------
+
+# What a request started at once and finished costs Redis: the commands inside the scripts
+# (INFO commandstats counts them) and the two EVALSHA.
+STARTED_AND_FINISHED_COMMANDS = 28
+
+
+async def _commands(redis: aioredis.Redis) -> int:
+    stats = await redis.info("commandstats")
+    return sum(int(stat["calls"]) for name, stat in stats.items() if name != "cmdstat_info")
+
+
+async def test_a_request_started_at_once_and_finished_costs_at_most_28_redis_commands(store: JobStore) -> None:
+    for _ in range(2):  # counted the second time: the scripts loaded, the tenant's settings written
+        counted = await _commands(store.redis)
+        outcome, (request_id,) = await queue(store, "t", 1, start_as="c1")
+        counted = await _commands(store.redis) - counted
+        job = await store.load(request_id)
+        assert outcome == "started" and job is not None
+        before_finish = await _commands(store.redis)
+        await finish(store, job)
+        counted += await _commands(store.redis) - before_finish
+    assert counted <= STARTED_AND_FINISHED_COMMANDS
+
+
 # -- the cost of a decision --------------------------------------------------------------------------
 
 

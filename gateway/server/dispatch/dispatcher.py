@@ -4,7 +4,9 @@ through gateway.server.spine (the order of a request's life is read there).
 
 - Asks for a model's work only while its replicas have a free slot, keeping the headroom
   for light tenants (scheduler.Headroom); asks the shards where work was announced
-  (pub/sub `work`), and every POLL_S all of them in case a message was lost.
+  (pub/sub `work`), and, every POLL_S in case a message was lost, those where work waits
+  by each shard's backlog counters and reclaimed lists (one read a shard: cheap when
+  idle; it sets the backlog gauge too).
 - Every run holds its run token (its fence; the attempt number is for display and the
   delivery limit, which leaves hand-overs out). The lease keeper (leases.py) renews the
   leases from a thread of its own, so a busy event loop cannot let them lapse, and checks
@@ -44,7 +46,7 @@ from gateway.server.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-# Every shard is asked for every model with room this often, whatever was announced.
+# Where work waits is read this often, whatever was announced.
 POLL_S = 1.0
 
 
@@ -193,9 +195,12 @@ class Dispatcher:
         running.task = asyncio.create_task(self._handle(running), name=f"request-{job.request_id}")
 
     async def _take_loop(self) -> None:
-        last_poll = time.monotonic()
+        last_poll = time.monotonic()  # the channel loop marks every shard as it subscribes
         while self._accepting:
             self._wake.clear()
+            if time.monotonic() - last_poll >= POLL_S:
+                last_poll = time.monotonic()
+                await self._poll()
             if await self._take_some():
                 continue
             timeout = max(0.0, last_poll + POLL_S - time.monotonic())
@@ -203,9 +208,28 @@ class Dispatcher:
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             except TimeoutError:
                 pass
-            if time.monotonic() - last_poll >= POLL_S:
-                last_poll = time.monotonic()
-                self.plan.mark_all(self.registry.names)
+
+    async def _poll(self) -> None:
+        """Mark the shards and models where work waits (queued: the backlog's per-model
+        counter; a run to start again: a reclaimed list), whatever was announced; a shard
+        that cannot be read is marked whole. Sets the backlog gauge."""
+        models = self.registry.names
+        found = await asyncio.gather(*(self._waiting(shard, models) for shard in self.jobs.shards))
+        backlog = 0
+        for shard, (queued, waiting) in zip(self.jobs.shards, found, strict=True):
+            backlog += queued
+            for model in waiting:
+                self.plan.mark(shard.index, model)
+        self.metrics.backlog.set(backlog)
+
+    async def _waiting(self, shard: Shard, models: list[str]) -> tuple[int, list[str]]:
+        """(requests queued in the shard, the models with work waiting there); a shard that
+        cannot be read has work for every model."""
+        try:
+            return await self.jobs.waiting(shard, models)
+        except REDIS_OUTAGE as exc:
+            log.warning("reading the backlog of %s failed: %s", shard.prefix, type(exc).__name__)
+            return 0, models
 
     async def _take_some(self) -> int:
         """Start what the free slots allow; how many started."""

@@ -1,7 +1,7 @@
 """Housekeeping every gateway does (any may, all at once is harmless): put running
 requests whose lease ran out (their dispatcher died) back in line, expire requests whose
 deadline passed while they waited (or whose run stopped being renewed), and keep the
-backlog and replica gauges."""
+replica gauges (the backlog gauge is the dispatcher's: it reads the backlog anyway)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,6 @@ class Sweeper:
             if reclaimed:
                 log.info("%d running requests of %s lost their dispatcher; they start again", reclaimed, shard.prefix)
         await self.expire_overdue()
-        backlog = await self.jobs.backlog()
-        self.metrics.backlog.set(backlog.get("all", 0) + backlog.get("batch", 0))
         for replica in self.pool.replicas:
             self.metrics.replica_healthy.labels(replica.url).set(1 if replica.healthy else 0)
             self.metrics.inflight.labels(replica.url).set(replica.inflight)

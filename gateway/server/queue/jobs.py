@@ -100,7 +100,7 @@ class QueueStanding:
     tenants: int  # tenants ready in its band
     rank: int  # of them, how many go before its tenant in this round
     first: int  # tenants ready in higher bands, and reclaimed requests: they all go first
-    started: int  # requests of its model started in its shard so far (for the rate)
+    started: int  # requests of its model started from the queue in its shard so far (for the rate)
 
     @property
     def position(self) -> int:
@@ -611,10 +611,17 @@ class JobStore:
             return job.state if job else None
         return State(state)
 
-    async def backlog(self) -> dict[str, int]:
-        """The backlog counters summed over the shards."""
-        totals: dict[str, int] = {}
-        for shard in self.shards:
-            for key, value in (await self.redis.hgetall(shard.backlog)).items():
-                totals[key] = totals.get(key, 0) + int(value)
-        return totals
+    async def waiting(self, shard: Shard, models: list[str]) -> tuple[int, list[str]]:
+        """(requests queued in the shard, the models with work waiting there): queued ones by
+        the backlog's per-model counters; a run to start again (a reclaimed list holds one,
+        rare) makes every model's. One pipeline: the shard's keys share its hash tag."""
+        if not models:
+            return 0, []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(shard.backlog)
+            pipe.exists(*(shard.reclaimed(model) for model in models))
+            counters, reclaimed = await pipe.execute()
+        queued = int(counters.get("all", 0)) + int(counters.get("batch", 0))
+        if reclaimed:
+            return queued, models
+        return queued, [model for model in models if int(counters.get(f"m:{model}", 0)) > 0]

@@ -203,10 +203,21 @@ local cap = band == 'batch' and num(ARGV[8]) or num(ARGV[7])
 if total + k > cap and mine + k > num(ARGV[11]) then
   return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}
 end
-redis.call('HSET', TENANTS, tenant, ARGV[12] .. ' ' .. ARGV[13])
+-- The tenant's settings (TAKE reads them for the tenants it picks), written when they
+-- changed; this submission's own are its arguments.
+local settings = ARGV[12] .. ' ' .. ARGV[13]
+if redis.call('HGET', TENANTS, tenant) ~= settings then redis.call('HSET', TENANTS, tenant, settings) end
+local limit = num(ARGV[13])
+local function own_limit_reached()
+  return limit > 0 and num(redis.call('HGET', RUNNING, 't:' .. tenant)) >= limit
+end
 local q = QUEUE[band]
 local function first_in_line()
-  if redis.call('LLEN', q) > 0 or redis.call('LLEN', RECLAIMED) > 0 then return false end
+  if redis.call('LLEN', RECLAIMED) > 0 then return false end
+  -- Nothing of the model waits in the shard (its backlog counter): no queue of it holds a
+  -- request, so no ready set of it holds a tenant TAKE would serve first.
+  if waiting == 0 then return true end
+  if redis.call('LLEN', q) > 0 then return false end
   for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
     if higher == band then return true end
     if redis.call('ZCARD', READY[higher]) > 0 then return false end
@@ -214,20 +225,20 @@ local function first_in_line()
   return true
 end
 local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. tenant)) == 0
-local start_now = k == 1 and consumer ~= '' and light_ok and not at_limit(tenant) and first_in_line()
+local start_now = k == 1 and consumer ~= '' and light_ok and not own_limit_reached() and first_in_line()
+local state = {'state', 'queued', 'attempts', 0}
+if start_now then state = {'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run} end
 for i = 1, k do
   local id, payload = field(i, 1), field(i, 2)
-  redis.call('HSET', REQ[i], 'state', 'queued', 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
-    'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'attempts', 0, 'emitted', 0)
+  redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
+    'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'emitted', 0, unpack(state))
   redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data',
     cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))}))
   redis.call('ZADD', DEADLINES, field(i, 4), id)
   if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', ARGV[6]) end
   if start_now then
-    redis.call('HSET', REQ[i], 'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run)
     redis.call('HINCRBY', RUNNING, 't:' .. tenant, 1)
     redis.call('HINCRBY', RUNNING, 'm:' .. model .. ':' .. tenant, 1)
-    redis.call('HINCRBY', STARTED, model, 1)
     redis.call('ZADD', LEASES, ARGV[15], id)
     redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', ARGV[16])
     return {'started'}
@@ -238,7 +249,7 @@ end
 -- virtual time, unless it is at its concurrency limit (then it waits in its blocked set).
 local mb = model .. ':' .. band
 if not redis.call('ZSCORE', READY[band], tenant) then
-  if at_limit(tenant) then
+  if own_limit_reached() then
     redis.call('SADD', BLOCKED, mb)
   else
     redis.call('ZADD', READY[band], vnow(mb), tenant)
@@ -280,7 +291,7 @@ if last then
 end
 local function start(rid, restarted)
   local req = P .. 'req:' .. rid
-  local h = redis.call('HMGET', req, 'tenant', 'band', 'size', 'emitted')
+  local h = redis.call('HMGET', req, 'tenant', 'band', 'size', 'emitted', 'attempts')
   if not restarted then
     local total_field, tenant_field = counters(h[2], h[1])
     decr(BACKLOG, total_field, 1)
@@ -289,15 +300,19 @@ local function start(rid, restarted)
     decr(BACKLOG, 'm:' .. model, 1)
     redis.call('HINCRBY', RUNNING, 't:' .. h[1], 1)
     redis.call('HINCRBY', RUNNING, 'm:' .. model .. ':' .. h[1], 1)
+    -- Starts from the queue only (SUBMIT's starts at once never waited): the rate a
+    -- queued request's place moves at.
     redis.call('HINCRBY', STARTED, model, 1)
   end
-  local attempt = redis.call('HINCRBY', req, 'attempts', 1)
-  redis.call('HSET', req, 'state', 'running', 'started_at', now, 'owner', consumer, 'run', token)
+  local attempt = num(h[5]) + 1
+  redis.call('HSET', req, 'state', 'running', 'attempts', attempt, 'started_at', now, 'owner', consumer, 'run', token)
   redis.call('ZADD', LEASES, ARGV[5], rid)
   redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
     cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
   redis.call('SET', TAKEN, rid .. ' ' .. token, 'EX', ARGV[8])
-  return {'run', rid, redis.call('HGETALL', req), redis.call('GET', P .. 'tokens:' .. rid) or ''}
+  -- Token ids are kept only for pieces emitted (EMIT): none emitted, none to read.
+  local ids = num(h[4]) > 0 and redis.call('GET', P .. 'tokens:' .. rid) or ''
+  return {'run', rid, redis.call('HGETALL', req), ids}
 end
 -- Requests whose dispatcher died (or handed them over) first: they were running.
 for i = 1, 32 do
@@ -504,12 +519,13 @@ end
 -- terminal events name its entry, and readers take the record from there (or, once it is
 -- stored and trimmed away, from MongoDB).
 local entry = redis.call('XADD', RESULTS, '*', 'id', id, 'record', ARGV[4])
-redis.call('HSET', REQ, 'state', ARGV[3], 'finished_at', ARGV[5], 'result', entry)
-redis.call('HDEL', REQ, 'payload', 'owner')
+-- The payload is emptied in the same write (no longer needed, and it may be large); the
+-- owner stays: only a running request's owner is ever read.
+redis.call('HSET', REQ, 'state', ARGV[3], 'finished_at', ARGV[5], 'result', entry, 'payload', '')
 if ARGV[9] ~= '' then redis.call('XADD', EVENTS, '*', 'event', 'output', 'record', entry) end
 redis.call('XADD', EVENTS, '*', 'event', ARGV[6], 'record', entry)
 redis.call('ZREM', DEADLINES, id)
-redis.call('DEL', TOKENS)
+if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
 redis.call('EXPIRE', REQ, ARGV[7])
 redis.call('EXPIRE', EVENTS, ARGV[7])
 -- The message carries the record, so a waiting client needs no further read.
@@ -520,8 +536,8 @@ return {1}
 
 # Where a queued request stands: {its place in its tenant's queue, tenants ready in its
 # band, how many of them go before its tenant in this round, tenants ready in higher
-# bands plus requests reclaimed (they all go first), requests of its model started in the
-# shard so far}. The request's model, band and tenant are read from its hash: the queue
+# bands plus requests reclaimed (they all go first), requests of its model TAKE started
+# from the queue in the shard so far}. The request's model, band and tenant are read from its hash: the queue
 # and ready keys are built here.
 _STANDING = """
 local function standing(P, id, model, band, tenant)
@@ -559,10 +575,11 @@ READ = (
     _STANDING
     + """
 local h = redis.call('HGETALL', KEYS[1])
-local f = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant', 'result')
-if f[1] == 'queued' then return {h, false, standing(ARGV[1], ARGV[2], f[2], f[3], f[4])} end
-if f[5] then
-  local found = redis.call('XRANGE', KEYS[2], f[5], f[5])
+local f = {}
+for i = 1, #h, 2 do f[h[i]] = h[i + 1] end
+if f.state == 'queued' then return {h, false, standing(ARGV[1], ARGV[2], f.model, f.band, f.tenant)} end
+if f.result then
+  local found = redis.call('XRANGE', KEYS[2], f.result, f.result)
   if found[1] then
     local fields = found[1][2]
     for i = 1, #fields, 2 do

@@ -7,7 +7,9 @@ ejected at once and comes back when a probe finds it healthy again (its channel
 reconnects within a second, so a restarted Triton is used again within a probe interval
 of being ready). A replica that only answers probes late (busy) stays in until it misses
 several in a row: load is not a fault. The set of replicas can change while
-running (DNS discovery): new addresses join, gone ones leave once idle.
+running (DNS discovery): new addresses join, gone ones leave once idle. A healthy replica
+this gateway has sent nothing since its last probe is probed every IDLE_PROBE_S only (a
+call to it that fails at the transport level still ejects it at once).
 
 A gateway keeps at most REPLICA_MAX_INFLIGHT requests of a model in flight on a replica,
 and no more than the model's engine can run beside what the other gateways keep there
@@ -29,6 +31,9 @@ from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 log = logging.getLogger(__name__)
 
 SLOW_PROBES_TO_EJECT = 3
+# A healthy replica unused since its last probe is probed this often (else every
+# PROBE_INTERVAL_S, as one that is out, in use or slow to answer).
+IDLE_PROBE_S = 5.0
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
@@ -61,6 +66,10 @@ class Replica:
     removed: bool = False
     # Probes in a row that timed out (a busy server answers late: not a fault by itself).
     slow_probes: int = 0
+    # Requests sent to it so far, and that count and the (loop) time at its last probe.
+    taken: int = 0
+    taken_at_probe: int = 0
+    probed_at: float = 0.0
     # Per Triton model whose engine reports its capacity: how many of this gateway's
     # requests it can run now (its capacity less what the other gateways keep there).
     engine_limits: dict[str, int] = field(default_factory=dict)
@@ -88,6 +97,8 @@ class ReplicaPool:
         self.probe_timeout_s = probe_timeout_s
         self.replicas: list[Replica] = []
         self._changed = asyncio.Condition()
+        # Set by every acquire: the load tracker scrapes while requests take slots.
+        self.used = asyncio.Event()
         self._rotation = itertools.count()
         self._probe_task: asyncio.Task[None] | None = None
         # Called with a replica when it (re)joins the rotation, e.g. to drop routing state.
@@ -138,6 +149,7 @@ class ReplicaPool:
     # -- health --------------------------------------------------------------------------
 
     async def _probe(self, replica: Replica) -> None:
+        replica.probed_at, replica.taken_at_probe = asyncio.get_running_loop().time(), replica.taken
         try:
             async with asyncio.timeout(self.probe_timeout_s):
                 ready = await replica.client.is_server_ready()
@@ -173,7 +185,17 @@ class ReplicaPool:
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            await self.probe_all()
+            now = asyncio.get_running_loop().time()
+            await asyncio.gather(*(self._probe(r) for r in list(self.replicas) if self._probe_due(r, now)))
+            await self._close_idle_removed()
+
+    @staticmethod
+    def _probe_due(replica: Replica, now: float) -> bool:
+        if replica.removed:
+            return False
+        idle = replica.healthy and not replica.slow_probes and replica.inflight == 0
+        idle = idle and replica.taken == replica.taken_at_probe
+        return not idle or now - replica.probed_at >= IDLE_PROBE_S
 
     def eject(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
@@ -210,7 +232,9 @@ class ReplicaPool:
                     await self._changed.wait()
                 replica = (choose or self.least_outstanding)(found)
                 replica.inflight += 1
+                replica.taken += 1
                 replica.busy[model] = replica.busy.get(model, 0) + 1
+        self.used.set()
         return replica
 
     async def release(self, replica: Replica, model: str) -> None:

@@ -10,7 +10,11 @@ engine runs at once), how many of this gateway's requests it can run beside the 
 gateways' (capacity less their scheduled and waiting requests, at least one). The pool
 keeps this gateway's requests within it, so the gateways together keep about what the
 engine runs (a scrape interval can add a few), and the fair queue, not the engine's FIFO,
-orders the rest. A scrape that fails drops the limits (REPLICA_MAX_INFLIGHT alone)."""
+orders the rest. A scrape that fails drops the limits (REPLICA_MAX_INFLIGHT alone).
+
+The loads and limits are used only while this gateway sends requests: with none of its
+requests on any replica, it scrapes every IDLE_S only (a restart's empty cache is still
+noticed), and again at once when a request takes a replica slot."""
 
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ import httpx
 from gateway.server.replicas import ReplicaPool
 
 log = logging.getLogger(__name__)
+
+# How often an idle gateway (none of its requests on a replica) scrapes.
+IDLE_S = 5.0
 
 
 @dataclass
@@ -151,6 +158,12 @@ class LoadTracker:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            self.pool.used.clear()
+            if not any(replica.inflight for replica in self.pool.replicas):
+                try:  # idle: wait for the next request to take a slot (or IDLE_S)
+                    await asyncio.wait_for(self.pool.used.wait(), max(0.0, IDLE_S - self.interval_s))
+                except TimeoutError:
+                    pass
             try:
                 await self.scrape_all()
             except Exception as exc:  # keep the last figures; try again next time
