@@ -95,8 +95,11 @@ class StaticBackend(HfBackend):
         self.use_graphs = self.device.startswith("cuda") if graphs is None else graphs
         self.rows = 0
         self.columns = 0
-        self.keys: list[Any] = []
+        self.keys: list[Any] = []  # per layer; made by allocate()
         self.values: list[Any] = []
+        self.ids: Any = None  # the step's inputs, [rows]: each row's last token and its position
+        self.positions: Any = None
+        self.index: Any = None  # 0, 1, 2, ...: row numbers and column numbers
         self.running: list[Sequence] = []  # row i's sequence
         self.lengths: list[int] = []  # the KV tokens row i holds
         self.captured: dict[tuple[int, int], tuple[Any, Any] | None] = {}  # None: capture failed, eager
