@@ -93,6 +93,8 @@ def one_round(llm: Any, engine: Any, concurrency: int, args: argparse.Namespace,
             )
         )
         requests.append(request)
+        if args.stagger_ms:
+            time.sleep(args.stagger_ms / 1000)  # (arrivals spread as a server's are)
     for request in requests:
         request.done.wait()
         if request.error:
@@ -115,6 +117,10 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated numbers of sequences")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument(
+        "--stagger-ms", type=float, default=0.0,
+        help="time between one round's submissions (0: all at once, in lockstep)",
+    )  # fmt: skip
     parser.add_argument("--repeat", type=int, default=1, help="rounds per concurrency (the median is reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--max-active", default="", help="the engine's limit (default: the largest concurrency)")

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ENGINE_DIR))
 import engine as llm  # noqa: E402
 import static_decode  # noqa: E402
 from kv_blocks import BlockCache  # noqa: E402
+from responder import Gate  # noqa: E402
 
 WAIT_S = 120  # a generous bound on waiting for a condition, never a pace
 PROMPTS = [
@@ -97,14 +98,19 @@ class Handle:
 class Runner:
     """An engine on an HfBackend, and a way to submit prompts to it."""
 
-    def __init__(self, backend: Any, *, max_active: int = 8, kv_tokens: int | None = 1 << 20) -> None:
+    def __init__(self, backend: Any, *, max_active: int = 8, kv_tokens: int | None = 1 << 20, gate: Any = None) -> None:
         self.backend = backend
         self.cache = BlockCache(32, 4096)
         self.active_seen: list[int] = []
-        self.engine = llm.Engine(backend, self.cache, max_active=max_active, kv_tokens=kv_tokens, on_step=self._on_step)
+        self.gate_open_at_steps: list[bool] = []
+        self.engine = llm.Engine(
+            backend, self.cache, max_active=max_active, kv_tokens=kv_tokens, on_step=self._on_step, gate=gate
+        )
 
     def _on_step(self, engine: Any) -> None:
         self.active_seen.append(len(engine.active))
+        if engine.gate is not None:
+            self.gate_open_at_steps.append(engine.gate.is_open)
 
     def submit(self, prompt: list[int], *, request_id: str = "", streaming: bool = True, **sampling: Any) -> Handle:
         handle = Handle(clock=lambda: self.backend.forward_passes)
@@ -350,6 +356,42 @@ def test_the_kv_budget_limits_the_sequences_running_at_once(backend: Any) -> Non
         outputs = runner.run(PROMPTS[:6], max_new=20)
         assert [len(t) for t in outputs] == [20] * 6
         assert max(runner.active_seen) == 2
+    finally:
+        runner.close()
+
+
+class CountedGate(Gate):
+    """A Gate that counts the engine's waits on the GPU (its `opened` spells)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened_count = 0
+
+    def opened(self) -> Any:
+        self.opened_count += 1
+        return super().opened()
+
+
+def test_the_engine_runs_a_step_with_the_gate_closed_and_opens_it_to_wait_on_the_gpu(
+    model_dirs: dict[str, Path],
+) -> None:
+    # (The responder builds responses while the gate is open: responder.py.)
+    backend = static_decode.StaticBackend(str(model_dirs["gpt2"]))
+    backend.allocate(8, 1 << 20)
+    ungated = Runner(backend)
+    try:
+        expected = ungated.run(PROMPTS, max_new=16)
+    finally:
+        ungated.close()
+    gate = backend.gate = CountedGate()
+    runner = Runner(backend, gate=gate)
+    try:
+        before = backend.forward_passes
+        assert runner.run(PROMPTS, max_new=16) == expected
+        assert runner.gate_open_at_steps and not any(runner.gate_open_at_steps)
+        assert gate.opened_count >= 15  # each decode step's wait for its tokens
+        assert gate.opened_count <= backend.forward_passes - before
+        assert gate.is_open  # an idle engine leaves it open
     finally:
         runner.close()
 

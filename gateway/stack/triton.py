@@ -65,10 +65,30 @@ class TritonInstall:
             make_private_tree(target)
         return target
 
-    def environment(self, device: Device = "cpu") -> dict[str, str]:
+    @staticmethod
+    def libpython_dir(data_dir: Path) -> Path:
+        """A folder holding only this interpreter's libpython (a link), for the stub.
+
+        Not the interpreter's LIBDIR itself: for a system Python that is the system's library
+        folder (/usr/lib/x86_64-linux-gnu), and on LD_LIBRARY_PATH it shadowed the CUDA
+        libraries torch ships with (LD_LIBRARY_PATH comes before their RUNPATH) by the
+        system's, whose kernels ran the LLM engine's decode step 1.5x slower on an H100
+        (bench.engine_bench under the stub's environment, docs/benchmarks.md)."""
+        libdir, name = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+        target = data_dir / "triton_libpython"
+        if not libdir or not name or not (Path(libdir) / name).exists():
+            return Path(libdir or target)  # (no shared libpython to link: the stub cannot use one)
+        link = target / name
+        if not link.is_symlink() or link.resolve() != (Path(libdir) / name).resolve():
+            target.mkdir(parents=True, exist_ok=True)
+            link.unlink(missing_ok=True)
+            link.symlink_to(Path(libdir) / name)
+        return target
+
+    def environment(self, device: Device, data_dir: Path) -> dict[str, str]:
         # The stub links the bundled libraries and libpython; it runs our models with
         # this environment's packages (numpy < 2, torch, transformers).
-        lib_dirs = [str(self.libs), sysconfig.get_config_var("LIBDIR") or ""]
+        lib_dirs = [str(self.libs), str(self.libpython_dir(data_dir))]
         env = {
             "LD_LIBRARY_PATH": ":".join(d for d in lib_dirs if d),
             # The stub's embedded interpreter ignores PYTHONPATH; it finds its prefix from
@@ -124,7 +144,7 @@ def triton_spec(
         argv=argv,
         log_file=data_dir / "logs" / f"{name}.log",
         ports=[(http_port, "Triton HTTP"), (grpc_port, "Triton gRPC"), (metrics_port, "Triton metrics")],
-        env={**install.environment(device), **(extra_env or {})},
+        env={**install.environment(device, data_dir), **(extra_env or {})},
         ready=lambda: triton_models_ready(f"http://{host}:{http_port}"),
         url=f"grpc://{host}:{grpc_port}  http://{host}:{http_port}  metrics http://{host}:{metrics_port}/metrics",
         owner=owner,

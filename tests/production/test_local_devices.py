@@ -3,6 +3,7 @@ written, CUDA with the embedding towers on the GPU. Rendered and parsed, no GPU 
 
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -108,10 +109,23 @@ def test_every_ensemble_step_takes_the_ensembles_batches_on_either_device(tmp_pa
                 assert rendered[step.model_name].max_batch_size >= config.max_batch_size, (device, step.model_name)
 
 
-def test_each_stub_takes_one_thread_on_cpu_and_its_share_of_the_cores_on_cuda() -> None:
+def test_each_stub_takes_one_thread_on_cpu_and_its_share_of_the_cores_on_cuda(tmp_path: Path) -> None:
     install = TritonInstall.find()
-    assert install.environment("cpu")["OMP_NUM_THREADS"] == "1"
-    assert install.environment("cuda")["OMP_NUM_THREADS"] == str(devices.threads_per_instance())
+    assert install.environment("cpu", tmp_path)["OMP_NUM_THREADS"] == "1"
+    assert install.environment("cuda", tmp_path)["OMP_NUM_THREADS"] == str(devices.threads_per_instance())
+
+
+def test_the_stubs_library_path_holds_libpython_and_nothing_else_of_its_folder(tmp_path: Path) -> None:
+    # The interpreter's LIBDIR may be the system's library folder, whose CUDA libraries then
+    # shadowed torch's own in every stub (its decode step 1.5x slower on an H100).
+    install = TritonInstall.find()
+    paths = install.environment("cuda", tmp_path)["LD_LIBRARY_PATH"].split(":")
+    libdir, name = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    assert libdir not in paths
+    assert str(install.libs) in paths
+    private = Path(paths[-1])
+    assert [entry.name for entry in private.iterdir()] == [name]
+    assert (private / name).resolve() == (Path(libdir) / name).resolve()
 
 
 def test_stack_device_setting(monkeypatch: pytest.MonkeyPatch) -> None:

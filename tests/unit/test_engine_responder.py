@@ -1,7 +1,9 @@
 """The llm_engine's responder (model_repo/local/llm_engine/1/responder.py), pure logic: the
 engine queues each sequence's responses and one thread sends them, in order; each token is
 its own response unless the outbox coalesces, and then the tokens queued while a send was
-under way go out as one response, an error always last."""
+under way go out as one response, an error always last. With a gate, responses go out while
+the engine's thread holds the gate open (its wait on the GPU), or once a closed spell
+outlasts the gate's patience."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repo" / "local" / "llm_engine" / "1"))
 
-from responder import Outbox, Responder
+from responder import Gate, Outbox, Responder
 
 WAIT_S = 30  # a bound on waiting for a condition, never a pace
 
@@ -108,5 +110,52 @@ def test_a_failing_send_is_logged_and_the_other_sequences_go_on() -> None:
         responder.put(good.outbox(False), ("tokens", 0, [2], True, 0))
         assert good.done.wait(WAIT_S)
         assert logged == ["ConnectionError: the client went away"]
+    finally:
+        responder.close()
+
+
+class WatchedGate(Gate):
+    """A Gate that says when the responder began waiting for it."""
+
+    def __init__(self, patience: float) -> None:
+        super().__init__(patience)
+        self.waiting = threading.Event()
+
+    def wait(self) -> None:
+        self.waiting.set()
+        super().wait()
+
+
+def test_a_gated_responder_sends_only_once_the_engine_opens_the_gate() -> None:
+    gate = WatchedGate(patience=WAIT_S)
+    responder = Responder(log=lambda text: None, gate=gate)
+    sent = Sent()
+    open_when_sent: list[bool] = []
+
+    def respond(first: int, tokens: list[int], final: bool, last_ns: int) -> None:
+        open_when_sent.append(gate.is_open)
+        sent.respond(first, tokens, final, last_ns)
+
+    try:
+        with gate.closed():  # the engine's step
+            responder.put(Outbox(respond, sent.fail, sent.after, coalesce=True), ("tokens", 0, [1], True, 0))
+            assert gate.waiting.wait(WAIT_S)
+            assert sent.responses == []
+            with gate.opened():  # its wait on the GPU
+                assert sent.done.wait(WAIT_S)
+        assert open_when_sent == [True]
+    finally:
+        responder.close()
+
+
+def test_a_gate_closed_longer_than_its_patience_holds_no_response_back() -> None:
+    gate = Gate(patience=0.05)
+    responder = Responder(log=lambda text: None, gate=gate)
+    sent = Sent()
+    try:
+        with gate.closed():  # a long step: a prefill, a graph's capture
+            responder.put(sent.outbox(True), ("tokens", 0, [1], True, 0))
+            assert sent.done.wait(WAIT_S)
+        assert sent.responses == [("tokens", 0, [1], True)]
     finally:
         responder.close()

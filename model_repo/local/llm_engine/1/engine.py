@@ -38,6 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,8 +131,11 @@ class Engine:
         max_active: int,
         on_step: Callable[[Engine], None],
         kv_tokens: int | None = None,
+        gate: Any = None,
     ) -> None:
+        """gate: the responder's Gate (responder.py), closed while this thread runs a step."""
         self.backend = backend
+        self.gate = gate
         self.cache = cache
         self.max_active = max_active
         self.kv_tokens = kv_tokens
@@ -186,21 +190,26 @@ class Engine:
                     self._cond.wait()
                 if not self._running:
                     return
-            self._end_stopped()  # (outside the lock: it sends responses)
-            with self._cond:
-                admitted = []
-                while self.waiting and len(self.active) < self.max_active and self._fits(self.waiting[0]):
-                    sequence = self.waiting.popleft()
-                    sequence.phase = "context"
-                    sequence.scheduled_ns = time.time_ns()
-                    self.active.append(sequence)
-                    admitted.append(sequence)
-            self._limit_prefix_cache()
-            self.context_now = len(admitted)
-            self.on_step(self)
-            self._step(admitted)
-            self.context_now = 0
-            self.on_step(self)
+            with self.gate.closed() if self.gate is not None else nullcontext():
+                self._iterate()
+
+    def _iterate(self) -> None:
+        """One step (see the module's docstring)."""
+        self._end_stopped()  # (outside the lock: it sends responses)
+        with self._cond:
+            admitted = []
+            while self.waiting and len(self.active) < self.max_active and self._fits(self.waiting[0]):
+                sequence = self.waiting.popleft()
+                sequence.phase = "context"
+                sequence.scheduled_ns = time.time_ns()
+                self.active.append(sequence)
+                admitted.append(sequence)
+        self._limit_prefix_cache()
+        self.context_now = len(admitted)
+        self.on_step(self)
+        self._step(admitted)
+        self.context_now = 0
+        self.on_step(self)
 
     def _fits(self, sequence: Sequence) -> bool:
         """Whether the batch with this sequence stays in the KV budget at its longest (every

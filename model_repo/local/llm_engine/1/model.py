@@ -43,7 +43,8 @@ guides (engine.py) and refuses context logits; its echo form makes none and refu
 
 It reports TensorRT-LLM's metric families (nv_trt_llm_kv_cache_block_metrics,
 nv_trt_llm_request_metrics) through the python backend's custom-metrics API, so the gateway
-reads both profiles alike.
+reads both profiles alike (set when they change, at most every 50 ms while the engine runs:
+gauges.py).
 
 Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype, decode (auto:
 the static cache and CUDA graphs of static_decode.py on CUDA for the models it supports, or
@@ -68,8 +69,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "llm_engine", "1")))
 
 from engine import Engine, HfBackend, Limits, Sampling, Sequence, SyntheticBackend, size_limits  # noqa: E402
+from gauges import Gauges  # noqa: E402
 from kv_blocks import BlockCache  # noqa: E402
-from responder import Outbox, Responder  # noqa: E402
+from responder import Gate, Outbox, Responder  # noqa: E402
 from static_decode import StaticBackend, supports  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -267,9 +269,14 @@ class TritonPythonModel:
         # (the engine outruns one sender there), never on the CPU (each token its own).
         coalesce = params.get("coalesce_streamed_tokens", "auto").strip().lower()
         self.coalesce = coalesce in ("1", "true") or (coalesce == "auto" and self.on_cuda)
-        self.responder = Responder(lambda text: pb_utils.Logger.log_verbose(f"llm responder: {text}"))
+        # Responses built while the engine waits on the GPU (responder.py's Gate): where a
+        # step has such a wait, the static decode's on CUDA.
+        gate = None
+        if isinstance(backend, StaticBackend) and backend.use_graphs:
+            gate = backend.gate = Gate()
+        self.responder = Responder(lambda text: pb_utils.Logger.log_verbose(f"llm responder: {text}"), gate=gate)
         self.engine = Engine(
-            backend, self.cache, max_active=self.max_active, on_step=self._report, kv_tokens=kv_tokens
+            backend, self.cache, max_active=self.max_active, on_step=self._report, kv_tokens=kv_tokens, gate=gate
         )
         if params.get("weights", "").startswith("DEMO"):
             pb_utils.Logger.log_warn(f"{self.model_name}: {params['weights']} ({model_dir})")
@@ -327,28 +334,35 @@ class TritonPythonModel:
             name="llm_engine_prefilled_tokens", description="Prompt tokens computed in the context phase",
             kind=pb_utils.MetricFamily.GAUGE,
         )
-        self.prefilled_metric = prefill.Metric(labels=labels)
         self.block_metrics["max"].set(self.cache.max_blocks)
         self.block_metrics["tokens_per"].set(self.cache.tokens_per_block)
         self.request_metrics["max"].set(self.max_active)
+        self.gauges = Gauges({
+            **{f"block_{kind}": self.block_metrics[kind] for kind in ("used", "free", "fraction", "reused")},
+            **{kind: self.request_metrics[kind] for kind in ("waiting", "scheduled", "context", "generation", "active")},
+            "prefilled": prefill.Metric(labels=labels),
+        })  # fmt: skip
         self._families = (blocks, requests, prefill)  # keep them alive
 
     def _report(self, engine):
+        waiting, scheduled = len(engine.waiting), len(engine.active)
+        idle = not waiting and not scheduled
+        if not self.gauges.due(idle):
+            return
         tpb = self.cache.tokens_per_block
         used = min(self.cache.max_blocks, sum(s.blocks(tpb) for s in engine.active))
-        b, r = self.block_metrics, self.request_metrics
-        b["used"].set(used)
-        b["free"].set(self.cache.max_blocks - used)
-        b["fraction"].set(used / self.cache.max_blocks if self.cache.max_blocks else 0.0)
-        b["reused"].set(self.cache.reused_total)
-        waiting = len(engine.waiting)
-        scheduled = len(engine.active)
-        r["waiting"].set(waiting)
-        r["scheduled"].set(scheduled)
-        r["context"].set(engine.context_now)
-        r["generation"].set(scheduled - engine.context_now)
-        r["active"].set(scheduled + waiting)
-        self.prefilled_metric.set(engine.prefilled_total)
+        self.gauges.report({
+            "block_used": used,
+            "block_free": self.cache.max_blocks - used,
+            "block_fraction": used / self.cache.max_blocks if self.cache.max_blocks else 0.0,
+            "block_reused": self.cache.reused_total,
+            "waiting": waiting,
+            "scheduled": scheduled,
+            "context": engine.context_now,
+            "generation": scheduled - engine.context_now,
+            "active": scheduled + waiting,
+            "prefilled": engine.prefilled_total,
+        }, idle)  # fmt: skip
 
     # -- requests -------------------------------------------------------------------------
 

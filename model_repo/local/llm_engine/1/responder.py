@@ -8,14 +8,68 @@ TensorRT-LLM streams them; a coalescing Outbox sends the tokens a sequence made 
 previous response was being sent as one response of several tokens (what the gateway reads
 as well: one token each while the sender keeps up, and the engine's pace when it does not).
 After a sequence's responses the Outbox's `after` runs (model.py asks Triton there whether
-the request was cancelled, so the engine's check each step reads a flag)."""
+the request was cancelled, so the engine's check each step reads a flag).
+
+The engine's thread and the responder's share one GIL. Every torch call of the engine's
+step releases it; a responder that takes it then, to build a response, delays the step by
+that much, many times a step (at 128 streams through Triton a decode step took twice as
+long as the engine's alone). With a Gate, the responder builds responses while the
+engine's thread waits on the GPU, not while it runs the step's Python."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+PATIENCE_S = 0.02  # the longest the responder waits for an open gate in one closed spell
+
+
+class Gate:
+    """The responder's turn. The engine's thread closes it for a step (`closed`) and opens
+    it while the step waits on the GPU (`opened`); the responder waits for it to be open
+    (`wait`), but never more than `patience` seconds into one closed spell: a long step
+    (a prefill, a graph's capture) holds responses back no longer than that."""
+
+    def __init__(self, patience: float = PATIENCE_S) -> None:
+        self.patience = patience
+        self._open = threading.Event()
+        self._open.set()
+        self._closed_at = 0.0
+
+    @contextmanager
+    def closed(self) -> Iterator[None]:
+        self._closed_at = time.monotonic()
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
+    @contextmanager
+    def opened(self) -> Iterator[None]:
+        """Inside `closed`: open while the engine's thread waits (on the GPU); outside, open
+        already, it stays so."""
+        if self._open.is_set():
+            yield
+            return
+        self._open.set()
+        try:
+            yield
+        finally:
+            self._closed_at = time.monotonic()
+            self._open.clear()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def wait(self) -> None:
+        if not self._open.is_set():
+            self._open.wait(max(0.0, self._closed_at + self.patience - time.monotonic()))
 
 
 class Outbox:
@@ -65,10 +119,12 @@ class Outbox:
 
 class Responder:
     """One thread sending every Outbox's responses; `log` gets a send's failure (the client
-    went away, say), which ends nothing else."""
+    went away, say), which ends nothing else. With a `gate`, it waits for the gate's turn
+    before each Outbox's responses."""
 
-    def __init__(self, log: Callable[[str], None]) -> None:
+    def __init__(self, log: Callable[[str], None], gate: Gate | None = None) -> None:
         self.log = log
+        self.gate = gate
         self._ready: deque[Outbox] = deque()
         self._cond = threading.Condition()
         self._running = True
@@ -91,6 +147,9 @@ class Responder:
                 if not self._ready:
                     return  # closed, and everything sent
                 outbox = self._ready.popleft()
+            if self.gate is not None:
+                self.gate.wait()
+            with self._cond:
                 items, outbox.items, outbox.queued = outbox.items, [], False
             try:
                 outbox.flush(items)

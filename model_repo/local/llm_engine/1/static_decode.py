@@ -28,6 +28,7 @@ whether a model is one of them (model.py uses HfBackend for any other, and on th
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 from engine import HfBackend, Sequence
@@ -93,6 +94,7 @@ class StaticBackend(HfBackend):
         width = int(config.hidden_size)
         self.head_dim = int(getattr(config, "head_dim", None) or width // self.heads)
         self.use_graphs = self.device.startswith("cuda") if graphs is None else graphs
+        self.gate: Any = None  # the responder's Gate (responder.py): opened while a step waits on the GPU
         self.rows = 0
         self.columns = 0
         self.keys: list[Any] = []  # per layer; made by allocate()
@@ -150,7 +152,9 @@ class StaticBackend(HfBackend):
             self.forward_passes += 1
             self.lengths = [length + 1 for length in self.lengths]
             if all(plain(s) for s in self.running):
-                tokens = [int(t) for t in argmax[:n].tolist()]
+                with self.gate.opened() if self.gate is not None else nullcontext():
+                    chosen = argmax[:n].tolist()  # (the step's one wait for the GPU)
+                tokens = [int(t) for t in chosen]
             else:
                 tokens = self._sample(logits[:n], self.running)
             by_sequence = dict(zip(map(id, self.running), tokens, strict=True))
