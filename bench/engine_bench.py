@@ -131,6 +131,12 @@ def main() -> None:
         choices=("auto", "eager", "static"),
         help="auto: model.py's choice (static on CUDA where supported); eager: HfBackend; static: StaticBackend",
     )
+    parser.add_argument(
+        "--ahead",
+        default="off",
+        choices=("off", "on"),
+        help="static decode: launch a greedy batch's next step before its tokens are taken (model.py's decode_ahead)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -155,7 +161,10 @@ def main() -> None:
     static = args.decode == "static" or (
         args.decode == "auto" and device.startswith("cuda") and static_decode.supports(AutoConfig.from_pretrained(path))
     )
-    backend = (static_decode.StaticBackend if static else llm.HfBackend)(path, device=device, dtype=dtype)
+    if static:
+        backend = static_decode.StaticBackend(path, device=device, dtype=dtype, overlap=args.ahead == "on")
+    else:
+        backend = llm.HfBackend(path, device=device, dtype=dtype)
     loaded = time.perf_counter() - loaded
     limits = llm.size_limits(
         device=device,
@@ -180,7 +189,8 @@ def main() -> None:
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else ""
     print(
         f"model {path}: loaded in {loaded:.1f}s, {device}{gpu} {dtype}, "
-        f"{'static cache, graph decode' if static else 'eager decode'}, torch {torch.__version__}, "
+        f"{'static cache, graph decode' if static else 'eager decode'}"
+        f"{', steps launched ahead' if getattr(backend, 'overlap', False) else ''}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} CPU threads"
     )
     print(

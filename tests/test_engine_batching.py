@@ -137,14 +137,15 @@ class Runner:
         self.engine.close()
 
 
-@pytest.fixture(params=["gpt2", "llama", "gpt2-static", "llama-static"])
+@pytest.fixture(params=["gpt2", "llama", "gpt2-static", "llama-static", "gpt2-static-ahead", "llama-static-ahead"])
 def backend(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Any:
     """Each model on HfBackend, and on StaticBackend (its decode step over a static cache,
-    eager here: the same code a CUDA graph captures on a GPU)."""
+    eager here: the same code a CUDA graph captures on a GPU), with and without launching
+    a greedy batch's next step before its tokens are taken (as on CUDA)."""
     kind, _, static = request.param.partition("-")
     if not static:
         return llm.HfBackend(str(model_dirs[kind]))
-    backend = static_decode.StaticBackend(str(model_dirs[kind]))
+    backend = static_decode.StaticBackend(str(model_dirs[kind]), overlap=static.endswith("ahead"))
     backend.allocate(8, 1 << 20)
     return backend
 
@@ -394,6 +395,52 @@ def test_the_engine_runs_a_step_with_the_gate_closed_and_opens_it_to_wait_on_the
         assert gate.is_open  # an idle engine leaves it open
     finally:
         runner.close()
+
+
+def test_steps_launched_ahead_are_taken_and_none_is_run_twice(model_dirs: dict[str, Path]) -> None:
+    backend = static_decode.StaticBackend(str(model_dirs["gpt2"]), overlap=True)
+    backend.allocate(8, 1 << 20)
+    runner = Runner(backend)
+    try:
+        first = runner.submit(PROMPTS[0], max_new=40)
+        first.wait_for_tokens(5)
+        others = [runner.submit(p, max_new=12) for p in PROMPTS[1:4]]  # they join a running batch
+        for handle in [first, *others]:
+            handle.wait()
+    finally:
+        runner.close()
+    assert backend.discarded_passes == 0
+    # a prefill per admission and one pass per token after each sequence's first
+    assert backend.forward_passes <= 4 + 39
+    assert backend.ahead is not None  # (the step after the last token, never taken)
+
+
+def test_rows_moving_down_under_a_step_launched_ahead_keep_their_tokens(tmp_path: Path) -> None:
+    # A model with sharp attention (large random weights): one key or value wrong changes
+    # its greedy tokens (the tiny models above often do not notice).
+    config = LlamaConfig(
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "sharp-llama")
+    backend = static_decode.StaticBackend(str(tmp_path / "sharp-llama"), overlap=True)
+    backend.allocate(8, 1 << 20)
+    lengths = [6, 30, 11, 30, 3, 25]  # the first rows end first: the later ones move down
+    expected = [alone(backend, prompt, max_new=n) for prompt, n in zip(PROMPTS, lengths, strict=False)]
+    runner = Runner(backend)
+    try:
+        handles = [runner.submit(prompt, max_new=n) for prompt, n in zip(PROMPTS, lengths, strict=False)]
+        assert [h.wait() for h in handles] == expected
+    finally:
+        runner.close()
+    assert backend.discarded_passes == 0
 
 
 def test_auto_limits_are_sized_from_the_device() -> None:

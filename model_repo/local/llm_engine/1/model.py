@@ -48,7 +48,9 @@ gauges.py).
 
 Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype, decode (auto:
 the static cache and CUDA graphs of static_decode.py on CUDA for the models it supports, or
-eager: HfBackend's decode step everywhere), coalesce_streamed_tokens (auto: true on CUDA;
+eager: HfBackend's decode step everywhere), decode_ahead (false: the static decode's next
+greedy step launched before the engine takes this one's tokens, see static_decode.py),
+coalesce_streamed_tokens (auto: true on CUDA;
 see responder.py), tokens_per_block, max_active_requests, kv_cache_memory, kv_cache_max_blocks (the last
 three `auto`: sized from the device, see engine.size_limits), exclude_input_in_output,
 lookahead_window_size, lookahead_ngram_size, lookahead_verification_set_size, and for the
@@ -228,7 +230,11 @@ class TritonPythonModel:
                 from transformers import AutoConfig
 
                 static = supports(AutoConfig.from_pretrained(model_dir))
-            backend = (StaticBackend if static else HfBackend)(model_dir, device=device, dtype=dtype)
+            if static:
+                ahead = params.get("decode_ahead", "false").strip().lower() in ("1", "true")
+                backend = StaticBackend(model_dir, device=device, dtype=dtype, overlap=ahead)
+            else:
+                backend = HfBackend(model_dir, device=device, dtype=dtype)
             eos = getattr(backend.model.generation_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
             self.default_end_id = int(eos) if eos is not None else -1

@@ -18,6 +18,13 @@ busy at 128 streams); a replayed graph runs the same kernels back to back.
   the longest row, so a step reads the KV the batch has, not the whole cache. A bucket's
   graph is captured at its first use, with the step's own inputs (the warm-up writes the
   same keys and values the replay writes); one whose capture fails runs eagerly.
+- Launched ahead (`overlap`; model.py's `decode_ahead`, off by default: built and tested on
+  the CPU, not yet measured on a GPU): a greedy batch's next step is launched as
+  soon as this step's tokens are read, before the engine takes them (ends sequences,
+  queues responses), so the GPU runs while the engine's thread does the step's Python.
+  The next decode takes its tokens if no row joined meanwhile (none is launched while a
+  prefill waits to join); rows that ended are skipped (their extra KV is never read), and
+  rows that move down take the extra column with them.
 - Sampling: when every sequence of the batch decodes greedily with nothing to apply
   (penalties, bias, bad words, a guide, log probabilities, logits, min_tokens), the graph's
   argmax is the step's one host transfer; any other batch is sampled from the graph's
@@ -76,13 +83,36 @@ def bucket(size: int, smallest: int, largest: int) -> int:
     return min(found, largest)
 
 
+class Ahead:
+    """A step launched ahead: its rows (a sequence's id -> row) and their tokens, read once
+    the GPU made them (`ready`: a CUDA event; None: made already)."""
+
+    def __init__(self, sequences: list[Sequence], made: Any, ready: Any = None) -> None:
+        self.sequences = list(sequences)  # (held: their ids are not reused while it lives)
+        self.rows = {id(s): row for row, s in enumerate(sequences)}
+        self.made = made
+        self.ready = ready
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+            return [int(t) for t in self.made.tolist()]
+        return list(self.made)
+
+
 class StaticBackend(HfBackend):
     """HfBackend whose decode steps run over a static cache (see the module's docstring).
     `allocate` sizes the cache; until then it holds no rows. `graphs`: capture CUDA graphs
     (default: on CUDA)."""
 
     def __init__(
-        self, model_dir: str, *, device: str = "cpu", dtype: str = "float32", graphs: bool | None = None
+        self,
+        model_dir: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        graphs: bool | None = None,
+        overlap: bool = False,
     ) -> None:
         super().__init__(model_dir, device=device, dtype=dtype)
         config = self.model.config
@@ -95,6 +125,12 @@ class StaticBackend(HfBackend):
         self.head_dim = int(getattr(config, "head_dim", None) or width // self.heads)
         self.use_graphs = self.device.startswith("cuda") if graphs is None else graphs
         self.gate: Any = None  # the responder's Gate (responder.py): opened while a step waits on the GPU
+        # Greedy batches launch their next step before the engine takes this one's tokens
+        # (where the GPU runs while the step's Python does; default: off).
+        self.overlap = overlap
+        self.ahead: Ahead | None = None
+        self.discarded_passes = 0  # steps launched ahead and run again (a row joined)
+        self.host: Any = None  # (pinned, on CUDA) the tokens of a step launched ahead
         self.rows = 0
         self.columns = 0
         self.keys: list[Any] = []  # per layer; made by allocate()
@@ -125,6 +161,8 @@ class StaticBackend(HfBackend):
             self.ids = torch.zeros(self.rows, dtype=torch.long, device=self.device)
             self.positions = torch.zeros(self.rows, dtype=torch.long, device=self.device)
             self.index = torch.arange(max(self.rows, self.columns), device=self.device)
+            if self.device.startswith("cuda"):
+                self.host = torch.zeros(self.rows, dtype=torch.long, pin_memory=True)
         if self.use_graphs:
             self.pool = torch.cuda.graph_pool_handle()
         return self.rows
@@ -141,24 +179,59 @@ class StaticBackend(HfBackend):
             self._hold(sequences)
             if len(self.running) != len(sequences):
                 raise RuntimeError("decode of sequences that are not in the batch")
-            n = len(self.running)
-            staged = torch.tensor([*(s.generated[-1] for s in self.running), *self.lengths], dtype=torch.long)
-            rows = bucket(n, 1, self.rows)
-            columns = bucket(max(self.lengths) + 1, MIN_COLUMNS, self.columns)
-            self.ids[:n].copy_(staged[:n])
-            self.positions[:n].copy_(staged[n:])
-            self.positions[n:rows].zero_()
-            logits, argmax = self._run(rows, columns)
-            self.forward_passes += 1
-            self.lengths = [length + 1 for length in self.lengths]
-            if all(plain(s) for s in self.running):
+            ahead, self.ahead = self.ahead, None
+            greedy = all(plain(s) for s in self.running)
+            if ahead is not None and all(id(s) in ahead.rows for s in self.running):
                 with self.gate.opened() if self.gate is not None else nullcontext():
-                    chosen = argmax[:n].tolist()  # (the step's one wait for the GPU)
-                tokens = [int(t) for t in chosen]
+                    made = ahead.tokens()  # (the step's one wait for the GPU)
+                tokens = [made[ahead.rows[id(s)]] for s in self.running]
+                self.lengths = [length + 1 for length in self.lengths]
+                self.forward_passes += 1
             else:
-                tokens = self._sample(logits[:n], self.running)
+                if ahead is not None:  # (a row joined: the step runs again, writing the same KV)
+                    self.discarded_passes += 1
+                logits, argmax = self._launch([s.generated[-1] for s in self.running])
+                self.forward_passes += 1
+                if greedy:
+                    with self.gate.opened() if self.gate is not None else nullcontext():
+                        chosen = argmax[: len(self.running)].tolist()  # (the step's one wait for the GPU)
+                    tokens = [int(t) for t in chosen]
+                else:
+                    tokens = self._sample(logits[: len(self.running)], self.running)
+            if greedy and self.overlap and self.pending is None:
+                self.ahead = self._ahead(tokens)
             by_sequence = dict(zip(map(id, self.running), tokens, strict=True))
             return [by_sequence[id(s)] for s in sequences]
+
+    def _launch(self, last: list[int]) -> tuple[Any, Any]:
+        """Run one step for the running rows, `last` their latest tokens; (logits, argmax)."""
+        torch = self.torch
+        n = len(self.running)
+        staged = torch.tensor([*last, *self.lengths], dtype=torch.long)
+        rows = bucket(n, 1, self.rows)
+        columns = bucket(max(self.lengths) + 1, MIN_COLUMNS, self.columns)
+        self.ids[:n].copy_(staged[:n])
+        self.positions[:n].copy_(staged[n:])
+        self.positions[n:rows].zero_()
+        outputs = self._run(rows, columns)
+        self.lengths = [length + 1 for length in self.lengths]
+        return outputs
+
+    def _ahead(self, tokens: list[int]) -> Ahead:
+        """The next step, launched before the engine takes this one's tokens: the GPU runs it
+        while the engine's thread does the step's Python. Its rows' tokens are valid for the
+        next decode if no row joined (a row that ended is skipped, and its row's new KV is
+        never read); otherwise the step runs again and writes the same KV."""
+        _, argmax = self._launch(tokens)
+        self.lengths = [length - 1 for length in self.lengths]  # (counted when taken)
+        n = len(self.running)
+        if not self.device.startswith("cuda"):
+            return Ahead(self.running, argmax[:n].tolist())
+        host = self.host[:n]
+        host.copy_(argmax[:n], non_blocking=True)
+        ready = self.torch.cuda.Event()
+        ready.record()
+        return Ahead(self.running, host, ready)
 
     def retain(self, sequences: list[Sequence]) -> None:
         """Keep these sequences' rows; the ones prefilled this step take the next rows."""
@@ -166,6 +239,7 @@ class StaticBackend(HfBackend):
             self._hold(sequences)
             pending, self.pending = self.pending, None
             if pending is not None:
+                self.ahead = None  # (none was launched with a prefill pending; never one across a join)
                 wanted = {id(s) for s in sequences}
                 self._admit(pending, [i for i, s in enumerate(pending.sequences) if id(s) in wanted])
 
@@ -180,7 +254,8 @@ class StaticBackend(HfBackend):
             torch = self.torch
             target = torch.tensor([row for row, _ in moved], device=self.device)
             source = torch.tensor([source for _, source in moved], device=self.device)
-            width = max(self.lengths[s] for _, s in moved)
+            # (a step launched ahead wrote one column more)
+            width = max(self.lengths[s] for _, s in moved) + (1 if self.ahead is not None else 0)
             for tensor in (*self.keys, *self.values):
                 part = tensor[:, :, :width]
                 part.index_copy_(0, target, part.index_select(0, source))
