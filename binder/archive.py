@@ -38,16 +38,19 @@ log = logging.getLogger(__name__)
 # Mark the live state as stored (never re-creating a request hash that has expired) and
 # let it go RESULTS_KEEP_S later: from then on every read is answered from MongoDB (a
 # result, an SSE replay of the final record), so a finished request leaves nothing of its
-# own in Redis. KEYS: each request's hash then its events stream; ARGV[1]: seconds.
+# own in Redis. KEYS: each request's hash then its events stream; ARGV[1]: seconds. Four
+# commands a request: the hash's TTL says whether it still exists (-2: gone) and stands for
+# the stream's too (FINISH gives both the same TTL in one script).
 MARK_STORED = """
 local keep = tonumber(ARGV[1])
 for i = 1, #KEYS, 2 do
   local req, events = KEYS[i], KEYS[i + 1]
-  if redis.call('EXISTS', req) == 1 then
+  local ttl = redis.call('TTL', req)
+  if ttl ~= -2 then
     redis.call('HSET', req, 'stored', '1')
-    for _, key in ipairs({req, events}) do
-      local ttl = redis.call('TTL', key)
-      if ttl == -1 or ttl > keep then redis.call('EXPIRE', key, keep) end
+    if ttl == -1 or ttl > keep then
+      redis.call('EXPIRE', req, keep)
+      redis.call('EXPIRE', events, keep)
     end
   end
 end

@@ -94,7 +94,9 @@ async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(sta
     second: ManagedProcess = two_replicas["second_process"]
     async with httpx.AsyncClient(headers=AUTH, base_url=two_replicas["url"], timeout=60) as client:
         await _until(lambda: _has_both(client, two_replicas))
-        ids = await asyncio.gather(*(submit(client, llm_body(f"busy {i}", 200)) for i in range(16)))
+        # Three rounds of each replica's engine (8 at once on the CPU): enough work that the
+        # second replica is still busy when the check below sees it (16 ran out first, under load).
+        ids = await asyncio.gather(*(submit(client, llm_body(f"busy {i}", 200)) for i in range(48)))
         # The kill finds runs on the second replica: the gateway's own gauge counts them there.
         await _until(lambda: _busy(client, two_replicas["second"]))
         kill_by_pid(second)

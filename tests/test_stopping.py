@@ -121,7 +121,7 @@ def test_sigterm_during_start_up_stops_everything(
     runs.append(run)
     tree = _starting(run)
     _stop(run, tree, "SIGTERM", "start-up")
-    assert run.popen is not None and run.popen.returncode == 0
+    assert run.popen is not None and run.popen.wait(timeout=30) == 0  # (gone: clean_within saw it; reaped here)
     assert "all healthy" not in run.output
 
 
@@ -130,7 +130,7 @@ def test_sigterm_when_healthy_stops_everything(tmp_path: Path, tiny_models: dict
     runs.append(run)
     run.wait_for("press Ctrl-C to stop")
     _stop(run, run.tree(), "SIGTERM", "healthy")
-    assert run.popen is not None and run.popen.returncode == 0
+    assert run.popen is not None and run.popen.wait(timeout=30) == 0  # (gone: clean_within saw it; reaped here)
 
 
 def test_ctrl_c_under_load_of_a_background_started_launcher_stops_everything(
@@ -156,7 +156,7 @@ def test_sigterm_under_load_stops_everything(tmp_path: Path, tiny_models: dict[s
         _stop(run, run.tree(), "SIGTERM", "under load")
     finally:
         load.close()
-    assert run.popen is not None and run.popen.returncode == 0
+    assert run.popen is not None and run.popen.wait(timeout=30) == 0  # (gone: clean_within saw it; reaped here)
 
 
 def test_no_child_outlives_a_sigkilled_launcher_by_more_than_10s(

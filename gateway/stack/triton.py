@@ -77,7 +77,7 @@ class TritonInstall:
         libdir, name = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
         target = data_dir / "triton_libpython"
         if not libdir or not name or not (Path(libdir) / name).exists():
-            return Path(libdir or target)  # (no shared libpython to link: the stub cannot use one)
+            return Path(libdir or target)  # (no shared libpython to link: the folder, as before)
         link = target / name
         if not link.is_symlink() or link.resolve() != (Path(libdir) / name).resolve():
             target.mkdir(parents=True, exist_ok=True)

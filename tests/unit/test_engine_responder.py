@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repo" / "local" / "llm_engine" / "1"))
 
-from responder import Gate, Outbox, Responder
+from responder import TURN, Gate, Outbox, Responder
 
 WAIT_S = 30  # a bound on waiting for a condition, never a pace
 
@@ -158,4 +158,32 @@ def test_a_gate_closed_longer_than_its_patience_holds_no_response_back() -> None
             assert sent.done.wait(WAIT_S)
         assert sent.responses == [("tokens", 0, [1], True)]
     finally:
+        responder.close()
+
+
+class BriefGate(Gate):
+    """Open for one wait at a time: an engine whose waits on the GPU are too short for the
+    responder to come back to the gate within one."""
+
+    def __init__(self) -> None:
+        super().__init__(patience=2 * WAIT_S)
+        self.openings = threading.Semaphore(0)
+
+    def wait(self) -> None:
+        self.openings.acquire(timeout=self.patience)
+
+
+def test_one_brief_opening_of_the_gate_lets_a_turn_of_sequences_go() -> None:
+    # With steps launched ahead the engine's waits on the GPU can be short: each must let
+    # more than one sequence's responses out, or 128 streams starve.
+    gate = BriefGate()
+    responder = Responder(log=lambda text: None, gate=gate)
+    sequences = [Sent() for _ in range(TURN)]
+    try:
+        for sent in sequences:
+            responder.put(sent.outbox(True), ("tokens", 0, [1], True, 0))
+        gate.openings.release()
+        assert all(sent.done.wait(WAIT_S) for sent in sequences)
+    finally:
+        gate.openings.release(TURN)
         responder.close()
