@@ -39,10 +39,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("engine-models")
-    llama = root / "tiny-llama"
+def save_tiny_llama(path: Path, **overrides: Any) -> Path:
+    """A random Llama shaped like SmolLM2 (grouped-query attention, rotary positions, tied
+    embeddings), tiny."""
     config = LlamaConfig(
         vocab_size=400,
         hidden_size=64,
@@ -54,10 +53,17 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
+        **overrides,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(llama)
-    return {"gpt2": build_tiny_gpt2(root / "tiny-gpt2"), "llama": llama}
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine-models")
+    return {"gpt2": build_tiny_gpt2(root / "tiny-gpt2"), "llama": save_tiny_llama(root / "tiny-llama")}
 
 
 @dataclass
@@ -418,19 +424,8 @@ def test_steps_launched_ahead_are_taken_and_none_is_run_twice(model_dirs: dict[s
 def test_rows_moving_down_under_a_step_launched_ahead_keep_their_tokens(tmp_path: Path) -> None:
     # A model with sharp attention (large random weights): one key or value wrong changes
     # its greedy tokens (the tiny models above often do not notice).
-    config = LlamaConfig(
-        vocab_size=400,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.5,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "sharp-llama")
-    backend = static_decode.StaticBackend(str(tmp_path / "sharp-llama"), overlap=True)
+    sharp = save_tiny_llama(tmp_path / "sharp-llama", initializer_range=0.5)
+    backend = static_decode.StaticBackend(str(sharp), overlap=True)
     backend.allocate(8, 1 << 20)
     lengths = [6, 30, 11, 30, 3, 25]  # the first rows end first: the later ones move down
     expected = [alone(backend, prompt, max_new=n) for prompt, n in zip(PROMPTS, lengths, strict=False)]
