@@ -191,6 +191,7 @@ class StaticBackend(HfBackend):
                 if ahead is not None:  # (a row joined: the step runs again, writing the same KV)
                     self.discarded_passes += 1
                 logits, argmax = self._launch([s.generated[-1] for s in self.running])
+                self.lengths = [length + 1 for length in self.lengths]
                 self.forward_passes += 1
                 if greedy:
                     with self.gate.opened() if self.gate is not None else nullcontext():
@@ -204,7 +205,8 @@ class StaticBackend(HfBackend):
             return [by_sequence[id(s)] for s in sequences]
 
     def _launch(self, last: list[int]) -> tuple[Any, Any]:
-        """Run one step for the running rows, `last` their latest tokens; (logits, argmax)."""
+        """Run one step for the running rows, `last` their latest tokens, each written at its
+        row's length (the caller counts it); (logits, argmax)."""
         torch = self.torch
         n = len(self.running)
         staged = torch.tensor([*last, *self.lengths], dtype=torch.long)
@@ -213,17 +215,14 @@ class StaticBackend(HfBackend):
         self.ids[:n].copy_(staged[:n])
         self.positions[:n].copy_(staged[n:])
         self.positions[n:rows].zero_()
-        outputs = self._run(rows, columns)
-        self.lengths = [length + 1 for length in self.lengths]
-        return outputs
+        return self._run(rows, columns)
 
     def _ahead(self, tokens: list[int]) -> Ahead:
         """The next step, launched before the engine takes this one's tokens: the GPU runs it
         while the engine's thread does the step's Python. Its rows' tokens are valid for the
         next decode if no row joined (a row that ended is skipped, and its row's new KV is
         never read); otherwise the step runs again and writes the same KV."""
-        _, argmax = self._launch(tokens)
-        self.lengths = [length - 1 for length in self.lengths]  # (counted when taken)
+        _, argmax = self._launch(tokens)  # (its column is counted when it is taken)
         n = len(self.running)
         if not self.device.startswith("cuda"):
             return Ahead(self.running, argmax[:n].tolist())
