@@ -187,8 +187,12 @@ class Stack:
             "TRITON_METRICS_URLS": ",".join(f"http://127.0.0.1:{ports[url]}/metrics" for url in grpc_urls),
         }
 
-    def stop(self, process: ManagedProcess) -> None:
-        process.stop()
+    def stop(self, process: ManagedProcess, grace: float | None = None) -> None:
+        """SIGTERM; SIGKILL after `grace` seconds (the stack's default when None)."""
+        if grace is None:
+            process.stop()
+        else:
+            process.stop(grace)
         if process in self.extra:
             self.extra.remove(process)
 
