@@ -108,7 +108,7 @@ class OtherGateway(threading.Thread):
         take = self.client.register_script(scripts.TAKE)
         while not self.halt.is_set():
             now_ms = int(time.time() * 1000)
-            reclaim(keys=[SHARD.leases], args=[SHARD.prefix, now_ms, 200])
+            reclaim(keys=scripts.reclaim_keys(SHARD), args=[SHARD.prefix, now_ms, 200])
             token = secrets.token_hex(8)
             reply = take(
                 keys=[*scripts.shard_keys(SHARD), *scripts.model_keys(SHARD, MODEL), SHARD.take("other")],

@@ -18,9 +18,12 @@ Per shard (prefix `{sN}:`):
 - `vclock` hash `<model>:<band>` -> virtual time; `tenants` hash tenant -> "weight limit";
   `blocked:<tenant>` set of `<model>:<band>` it left while at its concurrency limit;
 - `reclaimed:<model>` list: running requests whose dispatcher died or handed them over,
-  started again before anything else;
+  started again before anything else (their count is the backlog's `r:<model>`, which
+  SUBMIT reads with the other counters);
 - `leases` sorted set id -> lease end (ms): a running request's dispatcher renews it;
-- `deadlines` sorted set id -> deadline; `backlog` and `running` counter hashes;
+- `deadlines` sorted set id -> deadline, for the sweeper: queued requests, and runs that
+  lost their process (a run started at once is kept out until then); `backlog` and
+  `running` counter hashes;
 - `results` stream: finished records for the binders; `results:dead`: poison entries;
 - `idem:<tenant>:<key>`: idempotency keys; `take:<consumer>`: a dispatcher's last take;
   `sync`: written by a replayed SUBMIT or FINISH, so the WAIT after it covers what it found;

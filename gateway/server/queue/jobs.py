@@ -517,7 +517,9 @@ class JobStore:
 
     async def reclaim(self, shard: Shard, limit: int = 200) -> int:
         """Put running requests whose lease ran out back at the front of the line."""
-        return int(await self._reclaim(keys=[shard.leases], args=[shard.prefix, int(time.time() * 1000), limit]))
+        return int(
+            await self._reclaim(keys=scripts.reclaim_keys(shard), args=[shard.prefix, int(time.time() * 1000), limit])
+        )
 
     async def handover(self, consumer: str, runs: list[tuple[str, str]]) -> int:
         """Hand this consumer's running requests, (request id, run token), on to other
@@ -527,7 +529,7 @@ class JobStore:
             by_shard.setdefault(shard_of(request_id), []).append((request_id, run))
         moved = 0
         for shard, shard_runs in by_shard.items():
-            keys = scripts.lease_keys(shard, [request_id for request_id, _ in shard_runs])
+            keys = scripts.handover_keys(shard, [request_id for request_id, _ in shard_runs])
             pairs = [value for pair in shard_runs for value in pair]
             moved += int(await self._handover(keys=keys, args=[shard.prefix, consumer, *pairs]))
         return moved

@@ -72,8 +72,18 @@ def request_keys(shard: Shard, request_id: str) -> list[str]:
 
 
 def lease_keys(shard: Shard, request_ids: list[str]) -> list[str]:
-    """KEYS of RENEW and HANDOVER: the shard's leases, then each run's request hash."""
+    """KEYS of RENEW: the shard's leases, then each run's request hash."""
     return [shard.leases, *(shard.request(request_id) for request_id in request_ids)]
+
+
+def reclaim_keys(shard: Shard) -> list[str]:
+    """KEYS of RECLAIM: the shard's leases, deadlines and backlog counters."""
+    return [shard.leases, shard.deadlines, shard.backlog]
+
+
+def handover_keys(shard: Shard, request_ids: list[str]) -> list[str]:
+    """KEYS of HANDOVER: those of RECLAIM, then each run's request hash."""
+    return [*reclaim_keys(shard), *(shard.request(request_id) for request_id in request_ids)]
 
 
 def renew_call(
@@ -190,8 +200,8 @@ if #existing > 1 then
   return existing
 end
 local total_field, tenant_field = counters(band, tenant)
-local c = redis.call('HMGET', BACKLOG, total_field, 'bytes', tenant_field, 'm:' .. model)
-local total, bytes, mine, waiting = num(c[1]), num(c[2]), num(c[3]), num(c[4])
+local c = redis.call('HMGET', BACKLOG, total_field, 'bytes', tenant_field, 'm:' .. model, 'r:' .. model)
+local total, bytes, mine, waiting, reclaimed = num(c[1]), num(c[2]), num(c[3]), num(c[4]), num(c[5])
 local size = 0
 for i = 1, k do size = size + string.len(field(i, 2)) end
 if bytes + size > num(ARGV[9]) then return {'full', 'bytes', tostring(bytes)} end
@@ -213,7 +223,7 @@ local function own_limit_reached()
 end
 local q = QUEUE[band]
 local function first_in_line()
-  if redis.call('LLEN', RECLAIMED) > 0 then return false end
+  if reclaimed > 0 then return false end  -- the counter of the reclaimed list (`r:<model>`)
   -- Nothing of the model waits in the shard (its backlog counter): no queue of it holds a
   -- request, so no ready set of it holds a tenant TAKE would serve first.
   if waiting == 0 then return true end
@@ -227,14 +237,18 @@ end
 local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. tenant)) == 0
 local start_now = k == 1 and consumer ~= '' and light_ok and not own_limit_reached() and first_in_line()
 local state = {'state', 'queued', 'attempts', 0}
-if start_now then state = {'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run} end
+-- A run started at once stays out of the deadlines set: its own run cuts it at its
+-- deadline, and if its process goes, RECLAIM or HANDOVER puts it in (`in_deadlines`).
+if start_now then
+  state = {'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run, 'in_deadlines', '0'}
+end
 for i = 1, k do
   local id, payload = field(i, 1), field(i, 2)
   redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
     'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'emitted', 0, unpack(state))
   redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data',
     cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))}))
-  redis.call('ZADD', DEADLINES, field(i, 4), id)
+  if not start_now then redis.call('ZADD', DEADLINES, field(i, 4), id) end
   if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', ARGV[6]) end
   if start_now then
     redis.call('HINCRBY', RUNNING, 't:' .. tenant, 1)
@@ -318,6 +332,7 @@ end
 for i = 1, 32 do
   local rid = redis.call('LPOP', RECLAIMED)
   if not rid then break end
+  decr(BACKLOG, 'r:' .. model, 1)
   local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner')
   if h[1] == 'running' and not h[2] then return start(rid, true) end
 end
@@ -420,10 +435,12 @@ end
 return out
 """
 
-# KEYS[1]: the shard's leases.  ARGV: prefix, now (ms), limit
+# KEYS: the shard's leases, deadlines and backlog (reclaim_keys).  ARGV: prefix, now (ms), limit
 # Running requests whose lease ran out (their dispatcher died or stalled) go to the front
-# of the line (`reclaimed:<model>`), to be started again by any dispatcher. Which requests
-# they are is found here: their keys are built from the prefix.
+# of the line (`reclaimed:<model>`), to be started again by any dispatcher, and into the
+# deadlines set if a start at once kept them out of it (the sweeper expires them there
+# if no dispatcher starts them in time). Which requests they are is found here: their
+# keys are built from the prefix.
 RECLAIM = """
 local P = ARGV[1]
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))
@@ -431,10 +448,12 @@ local woken = {}
 for _, rid in ipairs(due) do
   redis.call('ZREM', KEYS[1], rid)
   local req = P .. 'req:' .. rid
-  local h = redis.call('HMGET', req, 'state', 'model')
+  local h = redis.call('HMGET', req, 'state', 'model', 'deadline', 'in_deadlines')
   if h[1] == 'running' then
-    redis.call('HDEL', req, 'owner')
+    redis.call('HDEL', req, 'owner', 'in_deadlines')
+    if h[4] == '0' then redis.call('ZADD', KEYS[2], h[3], rid) end
     redis.call('RPUSH', P .. 'reclaimed:' .. h[2], rid)
+    redis.call('HINCRBY', KEYS[3], 'r:' .. h[2], 1)
     woken[h[2]] = true
   end
 end
@@ -442,24 +461,27 @@ for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
 return #due
 """
 
-# KEYS: the shard's leases, then per run its request's hash (lease_keys).
+# KEYS: those of RECLAIM, then per run its request's hash (handover_keys).
 # ARGV: prefix, consumer, then pairs of request id and its run's token.
 # A stopping dispatcher hands its running requests on: each goes to the front of the line
-# at once (no lease to wait out), if it is still running and still this run's. A hand-over
-# is counted (`handovers`): it is no failed delivery, the delivery limit leaves it out.
+# at once (no lease to wait out), if it is still running and still this run's, and into
+# the deadlines set if it was kept out of it (as RECLAIM). A hand-over is counted
+# (`handovers`): it is no failed delivery, the delivery limit leaves it out.
 # (The reclaimed list is the request's model's, read from its hash: built here.)
 HANDOVER = """
 local P = ARGV[1]
 local moved = 0
 local woken = {}
 for i = 3, #ARGV, 2 do
-  local req = KEYS[(i - 1) / 2 + 1]
-  local h = redis.call('HMGET', req, 'state', 'model', 'owner', 'run')
+  local req = KEYS[(i - 1) / 2 + 3]
+  local h = redis.call('HMGET', req, 'state', 'model', 'owner', 'run', 'deadline', 'in_deadlines')
   if h[1] == 'running' and h[3] == ARGV[2] and h[4] == ARGV[i + 1] then
-    redis.call('HDEL', req, 'owner')
+    redis.call('HDEL', req, 'owner', 'in_deadlines')
+    if h[6] == '0' then redis.call('ZADD', KEYS[2], h[5], ARGV[i]) end
     redis.call('HINCRBY', req, 'handovers', 1)
     redis.call('ZREM', KEYS[1], ARGV[i])
     redis.call('RPUSH', P .. 'reclaimed:' .. h[2], ARGV[i])
+    redis.call('HINCRBY', KEYS[3], 'r:' .. h[2], 1)
     woken[h[2]] = true
     moved = moved + 1
   end
@@ -485,7 +507,8 @@ FINISH = (
     + """
 local REQ, EVENTS, TOKENS = KEYS[20], KEYS[21], KEYS[22]
 local id = ARGV[2]
-local h = redis.call('HMGET', REQ, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted')
+local h = redis.call('HMGET', REQ, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted',
+  'in_deadlines')
 local state = h[1]
 local allowed = false
 for s in string.gmatch(ARGV[8], '[^,]+') do
@@ -512,7 +535,7 @@ elseif state == 'running' then
   decr(RUNNING, 't:' .. tenant, 1)
   decr(RUNNING, 'm:' .. model .. ':' .. tenant, 1)
   redis.call('ZREM', LEASES, id)
-  if not h[7] then redis.call('LREM', RECLAIMED, 1, id) end
+  if not h[7] and redis.call('LREM', RECLAIMED, 1, id) > 0 then decr(BACKLOG, 'r:' .. model, 1) end
   unblock(tenant)
 end
 -- The record is written once, to the results stream (for the binders); the output and
@@ -524,7 +547,7 @@ local entry = redis.call('XADD', RESULTS, '*', 'id', id, 'record', ARGV[4])
 redis.call('HSET', REQ, 'state', ARGV[3], 'finished_at', ARGV[5], 'result', entry, 'payload', '')
 if ARGV[9] ~= '' then redis.call('XADD', EVENTS, '*', 'event', 'output', 'record', entry) end
 redis.call('XADD', EVENTS, '*', 'event', ARGV[6], 'record', entry)
-redis.call('ZREM', DEADLINES, id)
+if h[9] ~= '0' then redis.call('ZREM', DEADLINES, id) end  -- a run started at once is not there
 if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
 redis.call('EXPIRE', REQ, ARGV[7])
 redis.call('EXPIRE', EVENTS, ARGV[7])
