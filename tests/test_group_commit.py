@@ -97,3 +97,71 @@ async def test_a_caller_that_stops_waiting_leaves_the_others_their_replies(clien
     gone.cancel()
     assert await staying == "staying"
     assert gone.cancelled()
+
+
+# A script made for many items: KEYS[1] and ARGV[1] shared (the head), then one key and one
+# argument an item; it answers per item, and counts its calls in `calls`.
+MANY = """
+redis.call('INCR', 'calls')
+local out = {}
+for i = 2, #KEYS do
+  redis.call('RPUSH', KEYS[i], ARGV[1] .. ARGV[i])
+  out[#out + 1] = ARGV[1] .. ARGV[i]
+end
+return out
+"""
+
+
+def many_script(client: Redis, most: int = 64) -> AsyncScript:
+    script = AsyncScript(client, MANY)
+    script.head, script.most = (1, 1), most  # type: ignore[attr-defined]
+    return script
+
+
+async def test_calls_of_a_many_items_script_ready_together_become_one_call(client: Redis) -> None:
+    await client.delete("calls")
+    group = GroupCommit(client)
+    many = many_script(client)
+    replies = await asyncio.gather(*(group.call(many, ["shared", f"item{i}"], ["x:", str(i)]) for i in range(10)))
+    assert replies == [[f"x:{i}"] for i in range(10)]  # each its own item's reply, as if alone
+    assert await client.get("calls") == "1"
+    assert [await client.lrange(f"item{i}", 0, -1) for i in range(10)] == [[f"x:{i}"] for i in range(10)]
+
+
+async def test_only_calls_with_the_same_head_are_merged(client: Redis) -> None:
+    await client.delete("calls")
+    group = GroupCommit(client)
+    many = many_script(client)
+    replies = await asyncio.gather(
+        *(group.call(many, ["shared", f"h{i}"], [head, str(i)]) for i, head in enumerate(["a:", "b:", "a:", "b:"]))
+    )
+    assert replies == [["a:0"], ["b:1"], ["a:2"], ["b:3"]]
+    assert await client.get("calls") == "2"
+
+
+async def test_a_merged_call_carries_at_most_its_scripts_most_items(client: Redis) -> None:
+    await client.delete("calls")
+    group = GroupCommit(client)
+    many = many_script(client, most=4)
+    replies = await asyncio.gather(*(group.call(many, ["shared", f"m{i}"], ["y:", str(i)]) for i in range(10)))
+    assert replies == [[f"y:{i}"] for i in range(10)]
+    assert await client.get("calls") == "3"  # 4 + 4 + 2
+
+
+async def test_merged_replicated_calls_each_get_the_waits_count(client: Redis) -> None:
+    group = GroupCommit(client, wait_replicas=1, wait_timeout_ms=50)
+    many = many_script(client)
+    answers = await asyncio.gather(
+        *(group.call(many, ["shared", f"w{i}"], ["z:", str(i)], wait=True) for i in range(3))
+    )
+    assert answers == [([f"z:{i}"], 0) for i in range(3)]
+
+
+async def test_a_caller_that_stops_waiting_leaves_the_others_of_its_merged_call_their_replies(client: Redis) -> None:
+    group = GroupCommit(client)
+    many = many_script(client)
+    gone = asyncio.ensure_future(group.call(many, ["shared", "g0"], ["v:", "gone"]))
+    staying = asyncio.ensure_future(group.call(many, ["shared", "g1"], ["v:", "staying"]))
+    gone.cancel()
+    assert await staying == ["v:staying"]
+    assert gone.cancelled()

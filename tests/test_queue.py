@@ -16,7 +16,7 @@ from redis.asyncio.retry import Retry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.common.redis import connect
+from gateway.common.redis import RedisClients, connect
 from gateway.protocol import State, new_request_id
 from gateway.protocol.redis_keys import Shard
 from gateway.server.dispatch.scheduler import Headroom
@@ -563,6 +563,70 @@ async def test_a_run_started_at_once_and_handed_over_enters_the_deadlines_set(st
     assert isinstance(again, Job) and again.request_id == request_id
     await finish(store, again)
     assert await store.redis.zcard(SHARD.deadlines) == 0
+
+
+# -- finishes ready together: one FINISH ---------------------------------------------------------------
+
+
+@pytest.fixture
+async def grouped(redis_server: str) -> AsyncIterator[JobStore]:
+    """A JobStore whose script calls go through a group commit, as a gateway's on one Redis."""
+    clients = RedisClients.open(url=redis_server, cluster_nodes=[], timeout_s=5, max_connections=20)
+    await clients.main.flushdb()
+    yield JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=10_000, replication=clients)
+    await clients.main.aclose()
+
+
+async def _evalshas(redis: aioredis.Redis) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_finishes_ready_together_end_in_one_call(grouped: JobStore) -> None:
+    limited = Admission(**{**OPEN.__dict__, "max_concurrent": 3})
+    await queue(grouped, "a", 3, admission=limited)
+    await queue(grouped, "b", 4)
+    first, *jobs = await take_all(grouped)
+    assert len(jobs) == 6
+    await finish(grouped, first)  # alone (and the script loaded, if Redis did not know it)
+    before = await _evalshas(grouped.redis)
+    finished = await asyncio.gather(*(grouped.finish(job.record(State.SUCCEEDED), run=job.run) for job in jobs))
+    assert await _evalshas(grouped.redis) - before == 1
+    assert all(isinstance(record, str) for record in finished)
+    for job in jobs:
+        ended = await grouped.load(job.request_id)
+        assert ended is not None and ended.state == State.SUCCEEDED
+    assert await grouped.redis.hgetall(SHARD.running) == {}
+    assert await grouped.redis.zcard(SHARD.leases) == 0
+
+
+async def test_a_tenant_at_its_limit_is_unblocked_by_runs_ending_together(grouped: JobStore) -> None:
+    limited = Admission(**{**OPEN.__dict__, "max_concurrent": 2})
+    await queue(grouped, "a", 4, admission=limited)
+    jobs = await take_all(grouped)
+    assert len(jobs) == 2  # at its limit: the other two wait in its blocked set
+    await asyncio.gather(*(grouped.finish(job.record(State.SUCCEEDED), run=job.run) for job in jobs))
+    assert len(await take_all(grouped)) == 2
+
+
+async def test_in_one_call_each_finish_gets_its_own_outcome(grouped: JobStore) -> None:
+    await queue(grouped, "t", 3)
+    ran, stale, streamed = await take_all(grouped)
+    await grouped.redis.hset(SHARD.request(streamed.request_id), "emitted", 1)
+    before = await _evalshas(grouped.redis)
+    outcomes = await asyncio.gather(
+        grouped.finish(ran.record(State.SUCCEEDED), run=ran.run),
+        grouped.finish(stale.record(State.SUCCEEDED), run="another run"),
+        grouped.finish(streamed.record(State.SUCCEEDED), run=streamed.run, emitted=3),
+        grouped.finish(ran.record(State.FAILED), run=ran.run),  # the same request again: already ended
+    )
+    assert await _evalshas(grouped.redis) - before == 1
+    assert isinstance(outcomes[0], str)
+    assert outcomes[1] is None
+    assert outcomes[2] == 1  # the gap: the stream holds 1 piece of the 3 the run sent
+    assert outcomes[3] is None
+    ended = await grouped.load(ran.request_id)
+    assert ended is not None and ended.state == State.SUCCEEDED
 
 
 # -- the cost of a request ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ changes nothing more."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -120,12 +121,64 @@ class _Call:
     answer: asyncio.Future[Any]
 
 
+def _merged(calls: list[_Call]) -> list[_Call]:
+    """Calls of a script made for many items (its `head`: the numbers of keys and arguments
+    its items share, then each item's own; its reply: one per item) that share their head
+    become one call of at most its `most` items; each caller gets its own item's reply, as
+    [reply], as if it had called alone."""
+    out: list[_Call] = []
+    groups: dict[tuple[Any, ...], tuple[tuple[int, int], list[_Call]]] = {}
+    for call in calls:
+        head: tuple[int, int] | None = getattr(call.script, "head", None)
+        if head is None:
+            out.append(call)
+            continue
+        keys, args = head
+        groups.setdefault((id(call.script), *call.keys[:keys], *call.args[:args]), (head, []))[1].append(call)
+    for (keys, args), group in groups.values():
+        first = group[0]
+        most = getattr(first.script, "most", len(group))
+        for start in range(0, len(group), most):
+            members = group[start : start + most]
+            if len(members) == 1:
+                out.append(members[0])
+                continue
+            merged = _Call(
+                first.script,
+                first.keys[:keys] + [key for m in members for key in m.keys[keys:]],
+                first.args[:args] + [arg for m in members for arg in m.args[args:]],
+                first.answer.get_loop().create_future(),
+            )
+            merged.answer.add_done_callback(functools.partial(_split, members=members))
+            out.append(merged)
+    return out
+
+
+def _split(answer: asyncio.Future[Any], members: list[_Call]) -> None:
+    """A merged call's answer, item by item to its callers (a WAIT's count to each)."""
+    if answer.cancelled():
+        for member in members:
+            member.answer.cancel()
+        return
+    failed = answer.exception()
+    if failed is not None:
+        for member in members:
+            _answer(member, failed)
+        return
+    reply = answer.result()
+    waited = isinstance(reply, tuple)
+    items, acked = reply if waited else (reply, None)
+    for member, item in zip(members, items, strict=True):
+        _answer(member, ([item], acked) if waited else [item])
+
+
 class GroupCommit:
     """Script calls made in one turn of the event loop go to Redis as one pipeline: a
     round trip costs the client tens of µs of CPU whatever it carries (an EVALSHA ~95 µs
     alone, ~15 µs in a pipeline of 32: docs/benchmarks.md), so calls that are ready
-    together pay it once. Each caller gets its own reply or error, as if it had called
-    alone. Calls to be replicated go in a pipeline of their own that ends with one WAIT
+    together pay it once; calls of a script made for many items (FINISH) that are ready
+    together become one call (_merged). Each caller gets its own reply or error, as if it
+    had called alone. Calls to be replicated go in a pipeline of their own that ends with one WAIT
     (WAIT counts the writes of its connection, so one covers them all); the others are not
     held up by it. One Redis only (a cluster's calls go to their own nodes)."""
 
@@ -150,7 +203,7 @@ class GroupCommit:
         return await call.answer
 
     def _flush(self, wait: bool) -> None:
-        calls, self._ready[wait] = self._ready[wait], []
+        calls, self._ready[wait] = _merged(self._ready[wait]), []
         task = asyncio.get_running_loop().create_task(self._send(calls, wait))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)

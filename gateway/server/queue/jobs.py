@@ -31,7 +31,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.common.redis import REDIS_OUTAGE, GroupCommit, NotReplicated, RedisClients
 from gateway.protocol import (
@@ -259,6 +259,10 @@ class _Script(AsyncScript):
     calls of their turn of the event loop."""
 
     group: GroupCommit | None = None
+    # A script made for many items (FINISH): the numbers of keys and arguments they share, and
+    # how many one call may carry (GroupCommit merges calls ready together).
+    head: tuple[int, int] | None = None
+    most: int = 1
 
     async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
         if self.group is not None and client is None:
@@ -311,6 +315,8 @@ class JobStore:
         self._reclaim = _Script(redis, scripts.RECLAIM)
         self._handover = _Script(redis, scripts.HANDOVER)
         self._finish = _Script(redis, scripts.FINISH)
+        # FINISHes ready together end in one call (GroupCommit merges them: gateway/common/redis.py).
+        self._finish.head, self._finish.most = scripts.FINISH_HEAD, scripts.FINISH_MOST
         self._cancel = _Script(redis, scripts.CANCEL)
         self._read = _Script(redis, scripts.READ)
         self._queue = _Script(redis, scripts.QUEUE)
@@ -554,30 +560,31 @@ class JobStore:
             self._finish,
             [
                 *scripts.shard_keys(shard),
-                *scripts.model_keys(shard, record.model),
-                *scripts.tenant_keys(shard, record.model, record.tenant),
-                *scripts.request_keys(shard, record.request_id),
+                *scripts.finish_keys(shard, record.model, record.tenant, record.request_id),
             ],
             [
                 shard.prefix,
+                self.live_state_ttl_s,
+                DONE_CHANNEL,
                 record.request_id,
                 record.status.value,
                 data,
                 finished,
                 TERMINAL_EVENT[record.status].value,
-                self.live_state_ttl_s,
                 ",".join(s.value for s in allowed),
                 "1" if output_event else "",
                 "" if run is None else run,
-                DONE_CHANNEL,
                 "" if emitted is None else emitted,
                 record.model,
                 record.tenant,
             ],
         )
-        if reply[0] == "gap":
-            return int(reply[1])
-        if int(reply[0]) != 1:
+        (outcome,) = reply  # FINISH answers per request: this call's one
+        if outcome[0] == "error":
+            raise ResponseError(str(outcome[1]))
+        if outcome[0] == "gap":
+            return int(outcome[1])
+        if int(outcome[0]) != 1:
             return None
         if missing:
             self._finish_not_replicated(record.request_id)

@@ -55,14 +55,14 @@ def shard_keys(shard: Shard) -> list[str]:
 
 
 def model_keys(shard: Shard, model: str) -> list[str]:
-    """KEYS[10..14] of SUBMIT, TAKE and FINISH: the model's reclaimed list and its ready
-    set in each band (see _MODEL)."""
+    """KEYS[10..14] of SUBMIT and TAKE (and part of each request's in FINISH): the model's
+    reclaimed list and its ready set in each band (see _MODEL)."""
     return [shard.reclaimed(model), *(shard.ready(model, band) for band in BANDS)]
 
 
 def tenant_keys(shard: Shard, model: str, tenant: str) -> list[str]:
-    """KEYS[15..19] of SUBMIT and FINISH: the tenant's blocked set and its queue of the
-    model in each band (see _TENANT)."""
+    """KEYS[15..19] of SUBMIT (and part of each request's in FINISH): the tenant's blocked
+    set and its queue of the model in each band (see _TENANT)."""
     return [shard.blocked(tenant), *(shard.queue(model, band, tenant) for band in BANDS)]
 
 
@@ -131,22 +131,10 @@ local RECLAIMED = KEYS[10]
 local READY = {high = KEYS[11], normal = KEYS[12], low = KEYS[13], batch = KEYS[14]}
 """
 
-# The tenant's keys (tenant_keys), and what a run's end changes in the tenant's standing.
+# The tenant's keys (tenant_keys).
 _TENANT = """
 local BLOCKED = KEYS[15]
 local QUEUE = {high = KEYS[16], normal = KEYS[17], low = KEYS[18], batch = KEYS[19]}
--- A run of the tenant ended: the ready sets it left at its limit take it back. They may
--- be any model's: their keys are found here, from the blocked set's members.
-local function unblock(tenant)
-  if redis.call('EXISTS', BLOCKED) == 0 or at_limit(tenant) then return end
-  for _, mb in ipairs(redis.call('SMEMBERS', BLOCKED)) do
-    if redis.call('LLEN', P .. 'q:' .. mb .. ':' .. tenant) > 0 then
-      redis.call('ZADD', P .. 'ready:' .. mb, 'NX', vnow(mb), tenant)
-      redis.call('PUBLISH', 'work', P .. string.match(mb, '^(.*):[^:]*$'))
-    end
-  end
-  redis.call('DEL', BLOCKED)
-end
 """
 
 # KEYS: shard_keys, model_keys, tenant_keys (19), then per request its hash, its events
@@ -490,72 +478,125 @@ for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
 return moved
 """
 
-# KEYS: shard_keys, model_keys, tenant_keys (19) of the request's model and tenant, then
-#   its hash, events and token ids (request_keys).
-# ARGV: prefix, id, status, record, finished_at, terminal event, ttl, allowed states (a,b),
-#   '1' for an `output` event (the whole outputs, when they were not streamed), run token
-#   ('' = not a run: cancel, expiry), done channel, pieces the run emitted ('' = not a
-#   streamed run), model, tenant (those the keys were named for)
-# Returns {1} when applied, {0} when the request was not in an allowed state (or the run
-# is stale), {'gap', emitted} when the stream holds fewer pieces than the run sent (Redis
-# lost writes: send them again first). {0} writes `sync`: it may be this very call,
-# replayed after a lost reply, and the WAIT after it must cover the finish it found.
+# KEYS: shard_keys (9), then per request (finish_keys) its model_keys and tenant_keys (10)
+#   and its hash, events and token ids (request_keys): 13 a request.
+# ARGV: prefix, ttl, done channel, then per request (finish_args, 11 each): id, status,
+#   record, finished_at, terminal event, allowed states (a,b), '1' for an `output` event
+#   (the whole outputs, when they were not streamed), run token ('' = not a run: cancel,
+#   expiry), pieces the run emitted ('' = not a streamed run), model, tenant (those its keys
+#   were named for)
+# Returns per request: {1} when applied, {0} when the request was not in an allowed state
+# (or the run is stale), {'gap', emitted} when the stream holds fewer pieces than the run
+# sent (Redis lost writes: send them again first), {'error', why} when its keys were named
+# for another model or tenant. {0} writes `sync`: it may be this very call, replayed after
+# a lost reply, and the WAIT after it must cover the finish it found.
+#
+# Several requests of a shard end in one call when their FINISHes are ready together (the
+# group commit merges them: FINISH_HEAD): what they share is written once at the end — the
+# running counters of each tenant and model, the leases, and each tenant's blocked set.
 FINISH = (
     _SHARD
-    + _MODEL
-    + _TENANT
     + """
-local REQ, EVENTS, TOKENS = KEYS[20], KEYS[21], KEYS[22]
-local id = ARGV[2]
-local h = redis.call('HMGET', REQ, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted',
-  'in_deadlines')
-local state = h[1]
-local allowed = false
-for s in string.gmatch(ARGV[8], '[^,]+') do
-  if s == state then allowed = true end
+local TTL, DONE = ARGV[2], ARGV[3]
+-- A run of the tenant ended: the ready sets it left at its limit take it back. They may
+-- be any model's: their keys are found here, from the blocked set's members.
+local function unblock(tenant, blocked)
+  if redis.call('EXISTS', blocked) == 0 or at_limit(tenant) then return end
+  for _, mb in ipairs(redis.call('SMEMBERS', blocked)) do
+    if redis.call('LLEN', P .. 'q:' .. mb .. ':' .. tenant) > 0 then
+      redis.call('ZADD', P .. 'ready:' .. mb, 'NX', vnow(mb), tenant)
+      redis.call('PUBLISH', 'work', P .. string.match(mb, '^(.*):[^:]*$'))
+    end
+  end
+  redis.call('DEL', blocked)
 end
-if not allowed or (ARGV[10] ~= '' and h[2] ~= ARGV[10]) then
-  sync()
-  return {0}
+-- Written once for all the requests of the call, after them (in the order first seen).
+local down, down_order = {}, {}  -- running counter field -> runs ended
+local function count_down(field)
+  if not down[field] then down[field] = 0 down_order[#down_order + 1] = field end
+  down[field] = down[field] + 1
 end
-local model, band, tenant = h[3], h[4], h[5]
-if model ~= ARGV[13] or tenant ~= ARGV[14] then
-  return redis.error_reply('FINISH of ' .. id .. ' named the keys of another model or tenant')
+local ended_leases = {}
+local blocked_of, tenants_order = {}, {}  -- tenant -> its blocked set
+local synced = false
+local function finish(k, a)
+  local RECLAIMED = KEYS[k + 1]
+  local READY = {high = KEYS[k + 2], normal = KEYS[k + 3], low = KEYS[k + 4], batch = KEYS[k + 5]}
+  local BLOCKED = KEYS[k + 6]
+  local QUEUE = {high = KEYS[k + 7], normal = KEYS[k + 8], low = KEYS[k + 9], batch = KEYS[k + 10]}
+  local REQ, EVENTS, TOKENS = KEYS[k + 11], KEYS[k + 12], KEYS[k + 13]
+  local id, status, record, finished_at, terminal = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
+  local allowed_states, output, run, sent = ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
+  local h = redis.call('HMGET', REQ, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted',
+    'in_deadlines')
+  local state = h[1]
+  local allowed = false
+  for s in string.gmatch(allowed_states, '[^,]+') do
+    if s == state then allowed = true end
+  end
+  if not allowed or (run ~= '' and h[2] ~= run) then
+    if not synced then sync() synced = true end
+    return {0}
+  end
+  local model, band, tenant = h[3], h[4], h[5]
+  if model ~= ARGV[a + 10] or tenant ~= ARGV[a + 11] then
+    return {'error', 'FINISH of ' .. id .. ' named the keys of another model or tenant'}
+  end
+  if sent ~= '' and num(h[8]) < num(sent) then return {'gap', num(h[8])} end
+  if state == 'queued' then
+    local total_field, tenant_field = counters(band, tenant)
+    decr(BACKLOG, total_field, 1)
+    decr(BACKLOG, tenant_field, 1)
+    decr(BACKLOG, 'bytes', num(h[6]))
+    decr(BACKLOG, 'm:' .. model, 1)
+    redis.call('LREM', QUEUE[band], 1, id)
+    if redis.call('LLEN', QUEUE[band]) == 0 then redis.call('ZREM', READY[band], tenant) end
+  elseif state == 'running' then
+    count_down('t:' .. tenant)
+    count_down('m:' .. model .. ':' .. tenant)
+    ended_leases[#ended_leases + 1] = id
+    if not h[7] and redis.call('LREM', RECLAIMED, 1, id) > 0 then decr(BACKLOG, 'r:' .. model, 1) end
+    if not blocked_of[tenant] then blocked_of[tenant] = BLOCKED tenants_order[#tenants_order + 1] = tenant end
+  end
+  -- The record is written once, to the results stream (for the binders); the output and
+  -- terminal events name its entry, and readers take the record from there (or, once it is
+  -- stored and trimmed away, from MongoDB).
+  local entry = redis.call('XADD', RESULTS, '*', 'id', id, 'record', record)
+  -- The payload is emptied in the same write (no longer needed, and it may be large); the
+  -- owner stays: only a running request's owner is ever read.
+  redis.call('HSET', REQ, 'state', status, 'finished_at', finished_at, 'result', entry, 'payload', '')
+  if output ~= '' then redis.call('XADD', EVENTS, '*', 'event', 'output', 'record', entry) end
+  redis.call('XADD', EVENTS, '*', 'event', terminal, 'record', entry)
+  if h[9] ~= '0' then redis.call('ZREM', DEADLINES, id) end  -- a run started at once is not there
+  if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
+  redis.call('EXPIRE', REQ, TTL)
+  redis.call('EXPIRE', EVENTS, TTL)
+  -- The message carries the record, so a waiting client needs no further read.
+  redis.call('PUBLISH', DONE, id .. '\\n' .. record)
+  return {1}
 end
-if ARGV[12] ~= '' and num(h[8]) < num(ARGV[12]) then return {'gap', num(h[8])} end
-if state == 'queued' then
-  local total_field, tenant_field = counters(band, tenant)
-  decr(BACKLOG, total_field, 1)
-  decr(BACKLOG, tenant_field, 1)
-  decr(BACKLOG, 'bytes', num(h[6]))
-  decr(BACKLOG, 'm:' .. model, 1)
-  redis.call('LREM', QUEUE[band], 1, id)
-  if redis.call('LLEN', QUEUE[band]) == 0 then redis.call('ZREM', READY[band], tenant) end
-elseif state == 'running' then
-  decr(RUNNING, 't:' .. tenant, 1)
-  decr(RUNNING, 'm:' .. model .. ':' .. tenant, 1)
-  redis.call('ZREM', LEASES, id)
-  if not h[7] and redis.call('LREM', RECLAIMED, 1, id) > 0 then decr(BACKLOG, 'r:' .. model, 1) end
-  unblock(tenant)
+local out = {}
+for r = 0, (#KEYS - 9) / 13 - 1 do
+  out[r + 1] = finish(9 + r * 13, 3 + r * 11)
 end
--- The record is written once, to the results stream (for the binders); the output and
--- terminal events name its entry, and readers take the record from there (or, once it is
--- stored and trimmed away, from MongoDB).
-local entry = redis.call('XADD', RESULTS, '*', 'id', id, 'record', ARGV[4])
--- The payload is emptied in the same write (no longer needed, and it may be large); the
--- owner stays: only a running request's owner is ever read.
-redis.call('HSET', REQ, 'state', ARGV[3], 'finished_at', ARGV[5], 'result', entry, 'payload', '')
-if ARGV[9] ~= '' then redis.call('XADD', EVENTS, '*', 'event', 'output', 'record', entry) end
-redis.call('XADD', EVENTS, '*', 'event', ARGV[6], 'record', entry)
-if h[9] ~= '0' then redis.call('ZREM', DEADLINES, id) end  -- a run started at once is not there
-if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
-redis.call('EXPIRE', REQ, ARGV[7])
-redis.call('EXPIRE', EVENTS, ARGV[7])
--- The message carries the record, so a waiting client needs no further read.
-redis.call('PUBLISH', ARGV[11], id .. '\\n' .. ARGV[4])
-return {1}
+for _, field in ipairs(down_order) do decr(RUNNING, field, down[field]) end
+if #ended_leases > 0 then redis.call('ZREM', LEASES, unpack(ended_leases)) end
+for _, tenant in ipairs(tenants_order) do unblock(tenant, blocked_of[tenant]) end
+return out
 """
 )
+
+# The keys and arguments FINISH's requests share: a call for several requests of a shard is
+# these once, then each request's own (finish_keys, finish_args).
+FINISH_HEAD = (9, 3)
+# At most this many requests in one FINISH (the script runs alone in Redis meanwhile).
+FINISH_MOST = 64
+
+
+def finish_keys(shard: Shard, model: str, tenant: str, request_id: str) -> list[str]:
+    """A request's part of FINISH's KEYS (13)."""
+    return [*model_keys(shard, model), *tenant_keys(shard, model, tenant), *request_keys(shard, request_id)]
+
 
 # Where a queued request stands: {its place in its tenant's queue, tenants ready in its
 # band, how many of them go before its tenant in this round, tenants ready in higher
