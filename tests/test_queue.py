@@ -629,6 +629,55 @@ async def test_in_one_call_each_finish_gets_its_own_outcome(grouped: JobStore) -
     assert ended is not None and ended.state == State.SUCCEEDED
 
 
+# -- submissions ready together: one SUBMIT --------------------------------------------------------------
+
+
+def _new(idempotency: tuple[str, str] | None = None) -> NewRequest:
+    now = time.time()
+    return NewRequest(new_request_id(now), {"inputs": {}}, now, now + 60, idempotency)
+
+
+async def test_submissions_ready_together_go_in_one_call_each_admitted_as_if_alone(grouped: JobStore) -> None:
+    await queue(grouped, "warm", 1, start_as="c0")  # (the script loaded, if Redis did not know it)
+    small = Admission(**{**OPEN.__dict__, "tenant_max_queued": 1})
+    before = await _evalshas(grouped.redis)
+    answers = await asyncio.gather(
+        grouped.submit([_new()], model="m", tenant="a", band="normal", admission=OPEN, start_as="c1"),
+        grouped.submit([_new()], model="m", tenant="b", band="normal", admission=small),
+        grouped.submit([_new()], model="m", tenant="b", band="normal", admission=small),
+        grouped.submit([_new(), _new()], model="m", tenant="c", band="normal", admission=OPEN),
+    )
+    assert await _evalshas(grouped.redis) - before == 1
+    assert [a.outcome for a in answers] == ["started", "accepted", "full", "accepted"]
+    assert answers[2].reason == "tenant"  # b's second: its first, in the same call, counts
+    assert await grouped.redis.zcard(SHARD.leases) == 2  # warm's and a's
+    assert await grouped.redis.hget(SHARD.running, "t:a") == "1"
+
+
+async def test_a_concurrency_limit_holds_within_one_call(grouped: JobStore) -> None:
+    limited = Admission(**{**OPEN.__dict__, "max_concurrent": 2})
+    answers = await asyncio.gather(
+        *(
+            grouped.submit([_new()], model=model, tenant="t", band="normal", admission=limited, start_as="c1")
+            for model in ("m", "n", "o", "p")  # other models: nothing of one waits behind another
+        )
+    )
+    assert sorted(a.outcome for a in answers) == ["accepted", "accepted", "started", "started"]
+    assert await grouped.redis.hget(SHARD.running, "t:t") == "2"
+    assert await grouped.redis.zcard(SHARD.leases) == 2
+
+
+async def test_the_same_idempotency_key_twice_in_one_call_is_one_request(grouped: JobStore) -> None:
+    first, second = _new(("key", "h1")), _new(("key", "h1"))
+    answers = await asyncio.gather(
+        grouped.submit([first], model="m", tenant="t", band="normal", admission=OPEN),
+        grouped.submit([second], model="m", tenant="t", band="normal", admission=OPEN),
+    )
+    assert answers[0].outcome == "accepted"
+    assert answers[1].outcome == "existing" and answers[1].existing == [(first.request_id, "h1")]
+    assert not await grouped.redis.exists(SHARD.request(second.request_id))
+
+
 # -- the cost of a request ---------------------------------------------------------------------------
 
 # What a request started at once and finished costs Redis: the commands inside the scripts

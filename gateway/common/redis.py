@@ -176,7 +176,7 @@ class GroupCommit:
     """Script calls made in one turn of the event loop go to Redis as one pipeline: a
     round trip costs the client tens of µs of CPU whatever it carries (an EVALSHA ~95 µs
     alone, ~15 µs in a pipeline of 32: docs/benchmarks.md), so calls that are ready
-    together pay it once; calls of a script made for many items (FINISH) that are ready
+    together pay it once; calls of a script made for many items (SUBMIT, FINISH) that are ready
     together become one call (_merged). Each caller gets its own reply or error, as if it
     had called alone. Calls to be replicated go in a pipeline of their own that ends with one WAIT
     (WAIT counts the writes of its connection, so one covers them all); the others are not

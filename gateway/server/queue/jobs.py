@@ -256,13 +256,18 @@ class _Script(AsyncScript):
     call's slot now, not through the map the failed call used (a map from before the
     failover names the old primaries, and a load sent through it fails on the dead one).
     On one Redis with a group commit, its calls share pipelines with the other script
-    calls of their turn of the event loop."""
+    calls of their turn of the event loop (and a script made for many items has the calls
+    of its turn merged into one)."""
 
     group: GroupCommit | None = None
-    # A script made for many items (FINISH): the numbers of keys and arguments they share, and
-    # how many one call may carry (GroupCommit merges calls ready together).
-    head: tuple[int, int] | None = None
-    most: int = 1
+
+    def __init__(self, client: Redis, script: str, *, head: tuple[int, int] | None = None, most: int = 1) -> None:
+        """head, most: a script made for many items (SUBMIT, FINISH): the numbers of keys and
+        arguments they share, and how many one call may carry (the group commit merges the
+        calls ready together: gateway/common/redis.py)."""
+        super().__init__(client, script)
+        self.head = head
+        self.most = most
 
     async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
         if self.group is not None and client is None:
@@ -308,15 +313,13 @@ class JobStore:
         # Called with every record this process ends (run, cancel while queued, expiry):
         # each request is counted once, by the process that ended it.
         self.on_ended: list[Callable[[ResultRecord], None]] = []
-        self._submit = _Script(redis, scripts.SUBMIT)
+        self._submit = _Script(redis, scripts.SUBMIT, head=scripts.SUBMIT_HEAD, most=scripts.SUBMIT_MOST)
         self._take = _Script(redis, scripts.TAKE)
         self._emit = _Script(redis, scripts.EMIT)
         self._renew = _Script(redis, scripts.RENEW)
         self._reclaim = _Script(redis, scripts.RECLAIM)
         self._handover = _Script(redis, scripts.HANDOVER)
-        self._finish = _Script(redis, scripts.FINISH)
-        # FINISHes ready together end in one call (GroupCommit merges them: gateway/common/redis.py).
-        self._finish.head, self._finish.most = scripts.FINISH_HEAD, scripts.FINISH_MOST
+        self._finish = _Script(redis, scripts.FINISH, head=scripts.FINISH_HEAD, most=scripts.FINISH_MOST)
         self._cancel = _Script(redis, scripts.CANCEL)
         self._read = _Script(redis, scripts.READ)
         self._queue = _Script(redis, scripts.QUEUE)
@@ -365,7 +368,7 @@ class JobStore:
         shard = shard_of(requests[0].request_id)
         run = secrets.token_hex(8) if start_as and len(requests) == 1 else ""
         args: list[Any] = [
-            shard.prefix,
+            shard.prefix,  # (the head: SUBMIT_HEAD)
             model,
             tenant,
             band,
@@ -404,7 +407,7 @@ class JobStore:
                 idem[0] if idem else "",
                 json.dumps({"id": new.request_id, "hash": idem[1]}) if idem else "",
             ]
-        reply, missing = await self._replicated(self._submit, keys, args)
+        (reply,), missing = await self._replicated(self._submit, keys, args)  # SUBMIT answers per submission
         outcome = reply[0]
         if missing and outcome in ("accepted", "started"):
             await self._not_replicated(requests, (start_as, run) if outcome == "started" else None, missing)

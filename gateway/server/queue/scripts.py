@@ -55,14 +55,14 @@ def shard_keys(shard: Shard) -> list[str]:
 
 
 def model_keys(shard: Shard, model: str) -> list[str]:
-    """KEYS[10..14] of SUBMIT and TAKE (and part of each request's in FINISH): the model's
-    reclaimed list and its ready set in each band (see _MODEL)."""
+    """KEYS[10..14] of TAKE (see _MODEL), and the first of a submission's keys in SUBMIT
+    and of a request's in FINISH: the model's reclaimed list and its ready set in each band."""
     return [shard.reclaimed(model), *(shard.ready(model, band) for band in BANDS)]
 
 
 def tenant_keys(shard: Shard, model: str, tenant: str) -> list[str]:
-    """KEYS[15..19] of SUBMIT (and part of each request's in FINISH): the tenant's blocked
-    set and its queue of the model in each band (see _TENANT)."""
+    """After model_keys in a submission's keys in SUBMIT and a request's in FINISH: the
+    tenant's blocked set and its queue of the model in each band."""
     return [shard.blocked(tenant), *(shard.queue(model, band, tenant) for band in BANDS)]
 
 
@@ -131,23 +131,19 @@ local RECLAIMED = KEYS[10]
 local READY = {high = KEYS[11], normal = KEYS[12], low = KEYS[13], batch = KEYS[14]}
 """
 
-# The tenant's keys (tenant_keys).
-_TENANT = """
-local BLOCKED = KEYS[15]
-local QUEUE = {high = KEYS[16], normal = KEYS[17], low = KEYS[18], batch = KEYS[19]}
-"""
-
-# KEYS: shard_keys, model_keys, tenant_keys (19), then per request its hash, its events
-#   and, when it has an idempotency key, that key (the request's ARGV says whether).
-# ARGV: prefix, model, tenant, band, now, idempotency ttl, max backlog, max batch backlog,
-#   max backlog bytes, tenant's max queued (0 = none), tenant's reserve, weight, max concurrent,
-#   consumer to start it at once ('' = queue it), lease end (ms), running event data,
-#   light only ('1': start at once only if the tenant runs nothing of this model),
-#   K (requests), tenant's share, run token (of the run started at once), then per
-#   request: id, payload, created_at, deadline, idempotency key suffix ('' = none),
-#   idempotency value
-# Returns {'accepted'}, {'started'}, {'existing', value per request} or
-# {'full', reason, count}. The K requests are admitted together or not at all.
+# KEYS: shard_keys (9), then per submission its model_keys and tenant_keys (10) and per
+#   request its hash, its events and, when it has an idempotency key, that key (the
+#   request's ARGV says whether).
+# ARGV: prefix, then per submission (19, then 6 a request): model, tenant, band, now,
+#   idempotency ttl, max backlog, max batch backlog, max backlog bytes, tenant's max queued
+#   (0 = none), tenant's reserve, weight, max concurrent, consumer to start it at once ('' =
+#   queue it), lease end (ms), running event data, light only ('1': start at once only if
+#   the tenant runs nothing of this model), K (requests), tenant's share, run token (of the
+#   run started at once), then per request: id, payload, created_at, deadline, idempotency
+#   key suffix ('' = none), idempotency value
+# Returns per submission {'accepted'}, {'started'}, {'existing', value per request} or
+# {'full', reason, count}. The K requests of a submission are admitted together or not at
+# all.
 #
 # Starting at once (K = 1, the caller's process has a free slot for the model): one round
 # trip from accepted to running. Only where TAKE would pick it next anyway: nothing
@@ -155,116 +151,163 @@ local QUEUE = {high = KEYS[16], normal = KEYS[17], low = KEYS[18], batch = KEYS[
 # its own queue (so it would join the band at the current virtual time, ahead of every
 # waiting tenant), it is below its concurrency limit, and (light only) it runs nothing of
 # this model.
+#
+# Several submissions of a shard go in one call when they are ready together (the group
+# commit merges them: SUBMIT_HEAD), each admitted as if alone, in turn. What they share is
+# written once, after them: the running counters of the runs started at once (read in
+# between with what is pending added) and their leases; a tenant's settings are checked
+# once.
 SUBMIT = (
     _SHARD
-    + _MODEL
-    + _TENANT
     + """
-local model, tenant, band, now, consumer = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[14]
-local k, run = tonumber(ARGV[18]), ARGV[20]
-local function field(i, n) return ARGV[20 + (i - 1) * 6 + n] end
-local REQ, EVENTS, IDEM = {}, {}, {}
-local at = 20
-for i = 1, k do
-  REQ[i], EVENTS[i] = KEYS[at], KEYS[at + 1]
-  at = at + 2
-  if field(i, 5) ~= '' then IDEM[i] = KEYS[at] at = at + 1 end
+local up, up_order = {}, {}  -- running counter field -> runs started at once, written after
+local function running(field) return num(redis.call('HGET', RUNNING, field)) + (up[field] or 0) end
+local function count_up(field)
+  if not up[field] then up[field] = 0 up_order[#up_order + 1] = field end
+  up[field] = up[field] + 1
 end
-local h = redis.call('HMGET', REQ[1], 'state', 'run')
-if h[1] then  -- this very call, replayed after a lost reply
-  sync()
-  if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == run then return {'started'} end
-  return {'accepted'}
+local leases = {}  -- score, id, ... of the runs started at once
+local settings_seen = {}  -- tenant -> its settings, as written
+local synced = false
+local function sync_once()
+  if not synced then sync() synced = true end
 end
-local existing = {'existing'}
-for i = 1, k do
-  if IDEM[i] then
-    local previous = redis.call('GET', IDEM[i])
-    if previous then existing[#existing + 1] = previous end
+-- One submission: its keys after KEYS[kb], its arguments after ARGV[ab]. Returns its
+-- answer and how many keys and arguments it took.
+local function submit(kb, ab)
+  local function arg(i) return ARGV[ab + i] end
+  local READY = {high = KEYS[kb + 2], normal = KEYS[kb + 3], low = KEYS[kb + 4], batch = KEYS[kb + 5]}
+  local BLOCKED = KEYS[kb + 6]
+  local QUEUE = {high = KEYS[kb + 7], normal = KEYS[kb + 8], low = KEYS[kb + 9], batch = KEYS[kb + 10]}
+  local model, tenant, band, now, consumer = arg(1), arg(2), arg(3), arg(4), arg(13)
+  local k, run = tonumber(arg(17)), arg(19)
+  local function field(i, n) return arg(19 + (i - 1) * 6 + n) end
+  local REQ, EVENTS, IDEM = {}, {}, {}
+  local at = kb + 11
+  for i = 1, k do
+    REQ[i], EVENTS[i] = KEYS[at], KEYS[at + 1]
+    at = at + 2
+    if field(i, 5) ~= '' then IDEM[i] = KEYS[at] at = at + 1 end
   end
-end
-if #existing > 1 then
-  sync()  -- the answer is the earlier submission: the WAIT covers it
-  return existing
-end
-local total_field, tenant_field = counters(band, tenant)
-local c = redis.call('HMGET', BACKLOG, total_field, 'bytes', tenant_field, 'm:' .. model, 'r:' .. model)
-local total, bytes, mine, waiting, reclaimed = num(c[1]), num(c[2]), num(c[3]), num(c[4]), num(c[5])
-local size = 0
-for i = 1, k do size = size + string.len(field(i, 2)) end
-if bytes + size > num(ARGV[9]) then return {'full', 'bytes', tostring(bytes)} end
-if num(ARGV[10]) > 0 and mine + k > num(ARGV[10]) then return {'full', 'tenant', tostring(mine)} end
--- The share binds only while other tenants wait in the class: alone, a tenant may use the
--- whole backlog (work-conserving); with others waiting it keeps to its share.
-if num(ARGV[19]) > 0 and mine + k > num(ARGV[19]) and total > mine then return {'full', 'tenant', tostring(mine)} end
-local cap = band == 'batch' and num(ARGV[8]) or num(ARGV[7])
-if total + k > cap and mine + k > num(ARGV[11]) then
-  return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}
-end
--- The tenant's settings (TAKE reads them for the tenants it picks), written when they
--- changed; this submission's own are its arguments.
-local settings = ARGV[12] .. ' ' .. ARGV[13]
-if redis.call('HGET', TENANTS, tenant) ~= settings then redis.call('HSET', TENANTS, tenant, settings) end
-local limit = num(ARGV[13])
-local function own_limit_reached()
-  return limit > 0 and num(redis.call('HGET', RUNNING, 't:' .. tenant)) >= limit
-end
-local q = QUEUE[band]
-local function first_in_line()
-  if reclaimed > 0 then return false end  -- the counter of the reclaimed list (`r:<model>`)
-  -- Nothing of the model waits in the shard (its backlog counter): no queue of it holds a
-  -- request, so no ready set of it holds a tenant TAKE would serve first.
-  if waiting == 0 then return true end
-  if redis.call('LLEN', q) > 0 then return false end
-  for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
-    if higher == band then return true end
-    if redis.call('ZCARD', READY[higher]) > 0 then return false end
+  local used_keys, used_args = at - kb - 1, 19 + 6 * k
+  local h = redis.call('HMGET', REQ[1], 'state', 'run')
+  if h[1] then  -- this very call, replayed after a lost reply
+    sync_once()
+    if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == run then return {'started'}, used_keys, used_args end
+    return {'accepted'}, used_keys, used_args
   end
-  return true
-end
-local light_ok = ARGV[17] ~= '1' or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. tenant)) == 0
-local start_now = k == 1 and consumer ~= '' and light_ok and not own_limit_reached() and first_in_line()
-local state = {'state', 'queued', 'attempts', 0}
--- A run started at once stays out of the deadlines set: its own run cuts it at its
--- deadline, and if its process goes, RECLAIM or HANDOVER puts it in (`in_deadlines`).
-if start_now then
-  state = {'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run, 'in_deadlines', '0'}
-end
-for i = 1, k do
-  local id, payload = field(i, 1), field(i, 2)
-  redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
-    'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'emitted', 0, unpack(state))
-  redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data',
-    cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))}))
-  if not start_now then redis.call('ZADD', DEADLINES, field(i, 4), id) end
-  if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', ARGV[6]) end
+  local existing = {'existing'}
+  for i = 1, k do
+    if IDEM[i] then
+      local previous = redis.call('GET', IDEM[i])
+      if previous then existing[#existing + 1] = previous end
+    end
+  end
+  if #existing > 1 then
+    sync_once()  -- the answer is the earlier submission: the WAIT covers it
+    return existing, used_keys, used_args
+  end
+  local total_field, tenant_field = counters(band, tenant)
+  local c = redis.call('HMGET', BACKLOG, total_field, 'bytes', tenant_field, 'm:' .. model, 'r:' .. model)
+  local total, bytes, mine, waiting, reclaimed = num(c[1]), num(c[2]), num(c[3]), num(c[4]), num(c[5])
+  local size = 0
+  for i = 1, k do size = size + string.len(field(i, 2)) end
+  if bytes + size > num(arg(8)) then return {'full', 'bytes', tostring(bytes)}, used_keys, used_args end
+  if num(arg(9)) > 0 and mine + k > num(arg(9)) then return {'full', 'tenant', tostring(mine)}, used_keys, used_args end
+  -- The share binds only while other tenants wait in the class: alone, a tenant may use the
+  -- whole backlog (work-conserving); with others waiting it keeps to its share.
+  if num(arg(18)) > 0 and mine + k > num(arg(18)) and total > mine then
+    return {'full', 'tenant', tostring(mine)}, used_keys, used_args
+  end
+  local cap = band == 'batch' and num(arg(7)) or num(arg(6))
+  if total + k > cap and mine + k > num(arg(10)) then
+    return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}, used_keys, used_args
+  end
+  -- The tenant's settings (TAKE reads them for the tenants it picks), written when they
+  -- changed; this submission's own are its arguments.
+  local settings = arg(11) .. ' ' .. arg(12)
+  if settings_seen[tenant] ~= settings then
+    if redis.call('HGET', TENANTS, tenant) ~= settings then redis.call('HSET', TENANTS, tenant, settings) end
+    settings_seen[tenant] = settings
+  end
+  local limit = num(arg(12))
+  local function own_limit_reached()
+    return limit > 0 and running('t:' .. tenant) >= limit
+  end
+  local q = QUEUE[band]
+  local function first_in_line()
+    if reclaimed > 0 then return false end  -- the counter of the reclaimed list (`r:<model>`)
+    -- Nothing of the model waits in the shard (its backlog counter): no queue of it holds a
+    -- request, so no ready set of it holds a tenant TAKE would serve first.
+    if waiting == 0 then return true end
+    if redis.call('LLEN', q) > 0 then return false end
+    for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
+      if higher == band then return true end
+      if redis.call('ZCARD', READY[higher]) > 0 then return false end
+    end
+    return true
+  end
+  local light_ok = arg(16) ~= '1' or running('m:' .. model .. ':' .. tenant) == 0
+  local start_now = k == 1 and consumer ~= '' and light_ok and not own_limit_reached() and first_in_line()
+  local state = {'state', 'queued', 'attempts', 0}
+  -- A run started at once stays out of the deadlines set: its own run cuts it at its
+  -- deadline, and if its process goes, RECLAIM or HANDOVER puts it in (`in_deadlines`).
   if start_now then
-    redis.call('HINCRBY', RUNNING, 't:' .. tenant, 1)
-    redis.call('HINCRBY', RUNNING, 'm:' .. model .. ':' .. tenant, 1)
-    redis.call('ZADD', LEASES, ARGV[15], id)
-    redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', ARGV[16])
-    return {'started'}
+    state = {'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run, 'in_deadlines', '0'}
   end
-  redis.call('RPUSH', q, id)
-end
--- The tenant has waiting work in (model, band): it joins the ready set at the current
--- virtual time, unless it is at its concurrency limit (then it waits in its blocked set).
-local mb = model .. ':' .. band
-if not redis.call('ZSCORE', READY[band], tenant) then
-  if own_limit_reached() then
-    redis.call('SADD', BLOCKED, mb)
-  else
-    redis.call('ZADD', READY[band], vnow(mb), tenant)
+  for i = 1, k do
+    local id, payload = field(i, 1), field(i, 2)
+    redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
+      'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'emitted', 0, unpack(state))
+    redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data',
+      cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))}))
+    if not start_now then redis.call('ZADD', DEADLINES, field(i, 4), id) end
+    if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', arg(5)) end
+    if start_now then
+      count_up('t:' .. tenant)
+      count_up('m:' .. model .. ':' .. tenant)
+      leases[#leases + 1] = arg(14)
+      leases[#leases + 1] = id
+      redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', arg(15))
+      return {'started'}, used_keys, used_args
+    end
+    redis.call('RPUSH', q, id)
   end
+  -- The tenant has waiting work in (model, band): it joins the ready set at the current
+  -- virtual time, unless it is at its concurrency limit (then it waits in its blocked set).
+  local mb = model .. ':' .. band
+  if not redis.call('ZSCORE', READY[band], tenant) then
+    if own_limit_reached() then
+      redis.call('SADD', BLOCKED, mb)
+    else
+      redis.call('ZADD', READY[band], vnow(mb), tenant)
+    end
+  end
+  redis.call('HINCRBY', BACKLOG, total_field, k)
+  redis.call('HINCRBY', BACKLOG, tenant_field, k)
+  redis.call('HINCRBY', BACKLOG, 'bytes', size)
+  redis.call('HINCRBY', BACKLOG, 'm:' .. model, k)
+  if waiting == 0 then redis.call('PUBLISH', 'work', P .. model) end
+  return {'accepted'}, used_keys, used_args
 end
-redis.call('HINCRBY', BACKLOG, total_field, k)
-redis.call('HINCRBY', BACKLOG, tenant_field, k)
-redis.call('HINCRBY', BACKLOG, 'bytes', size)
-redis.call('HINCRBY', BACKLOG, 'm:' .. model, k)
-if waiting == 0 then redis.call('PUBLISH', 'work', P .. model) end
-return {'accepted'}
+local out = {}
+local kb, ab = 9, 1
+while kb < #KEYS do
+  local answer, used_keys, used_args = submit(kb, ab)
+  out[#out + 1] = answer
+  kb, ab = kb + used_keys, ab + used_args
+end
+for _, field in ipairs(up_order) do redis.call('HINCRBY', RUNNING, field, up[field]) end
+if #leases > 0 then redis.call('ZADD', LEASES, unpack(leases)) end
+return out
 """
 )
+
+# The keys and arguments SUBMIT's submissions share: a call for several submissions of a
+# shard is these once, then each submission's own (submit_keys and its arguments).
+SUBMIT_HEAD = (9, 1)
+# At most this many submissions in one SUBMIT.
+SUBMIT_MOST = 64
 
 # KEYS: shard_keys, model_keys (14), then the consumer's last take (take:<consumer>).
 # ARGV: prefix, model, consumer, now, lease end (ms), take token (random: the started run's
