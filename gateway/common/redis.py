@@ -9,7 +9,8 @@ One Redis (REDIS_URL) or a Redis Cluster (REDIS_CLUSTER_NODES), behind one inter
   counts the replicas that have the writes of *its own* connection), on the node that
   holds the keys: how a write is made durable across a failover (REDIS_WAIT_REPLICAS);
 - `group`: on one Redis, the script calls made in one turn of the event loop go to Redis
-  as one pipeline (GroupCommit; REDIS_GROUP_COMMIT), each caller with its own reply;
+  as one pipeline, the calls of a script made for many items (SUBMIT, FINISH) merged into
+  one (GroupCommit; REDIS_GROUP_COMMIT), each caller with its own reply;
 - `subscription()`: a connection for SUBSCRIBE (in a cluster, to any node: a PUBLISH,
   from a script too, reaches every node);
 - `reader(shard)`: one connection to the node holding a shard, for blocking reads
