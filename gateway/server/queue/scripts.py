@@ -121,8 +121,25 @@ local function counters(band, tenant)
   return 'all', 't:' .. tenant
 end
 -- A replay that found its own earlier write writes this (it changes nothing), so that
--- the WAIT after the script on this connection covers the write it found.
-local function sync() redis.call('SET', SYNC, '1', 'PX', 1000) end
+-- the WAIT after the script on this connection covers the write it found. Once a call.
+local synced = false
+local function sync()
+  if not synced then redis.call('SET', SYNC, '1', 'PX', 1000) synced = true end
+end
+-- Changes of the running counters a call for many items writes once, after them (in the
+-- order first seen); running() reads a counter with its pending change.
+local pending, pending_order = {}, {}
+local function pend(field, by)
+  if not pending[field] then pending[field] = 0 pending_order[#pending_order + 1] = field end
+  pending[field] = pending[field] + by
+end
+local function running(field) return num(redis.call('HGET', RUNNING, field)) + (pending[field] or 0) end
+local function write_pending()
+  for _, field in ipairs(pending_order) do
+    local by = pending[field]
+    if by > 0 then redis.call('HINCRBY', RUNNING, field, by) else decr(RUNNING, field, -by) end
+  end
+end
 """
 
 # The model's keys (model_keys).
@@ -160,18 +177,8 @@ local READY = {high = KEYS[11], normal = KEYS[12], low = KEYS[13], batch = KEYS[
 SUBMIT = (
     _SHARD
     + """
-local up, up_order = {}, {}  -- running counter field -> runs started at once, written after
-local function running(field) return num(redis.call('HGET', RUNNING, field)) + (up[field] or 0) end
-local function count_up(field)
-  if not up[field] then up[field] = 0 up_order[#up_order + 1] = field end
-  up[field] = up[field] + 1
-end
 local leases = {}  -- score, id, ... of the runs started at once
 local settings_seen = {}  -- tenant -> its settings, as written
-local synced = false
-local function sync_once()
-  if not synced then sync() synced = true end
-end
 -- One submission: its keys after KEYS[kb], its arguments after ARGV[ab]. Returns its
 -- answer and how many keys and arguments it took.
 local function submit(kb, ab)
@@ -192,7 +199,7 @@ local function submit(kb, ab)
   local used_keys, used_args = at - kb - 1, 19 + 6 * k
   local h = redis.call('HMGET', REQ[1], 'state', 'run')
   if h[1] then  -- this very call, replayed after a lost reply
-    sync_once()
+    sync()
     if k == 1 and consumer ~= '' and h[1] == 'running' and h[2] == run then return {'started'}, used_keys, used_args end
     return {'accepted'}, used_keys, used_args
   end
@@ -204,7 +211,7 @@ local function submit(kb, ab)
     end
   end
   if #existing > 1 then
-    sync_once()  -- the answer is the earlier submission: the WAIT covers it
+    sync()  -- the answer is the earlier submission: the WAIT covers it
     return existing, used_keys, used_args
   end
   local total_field, tenant_field = counters(band, tenant)
@@ -264,8 +271,8 @@ local function submit(kb, ab)
     if not start_now then redis.call('ZADD', DEADLINES, field(i, 4), id) end
     if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', arg(5)) end
     if start_now then
-      count_up('t:' .. tenant)
-      count_up('m:' .. model .. ':' .. tenant)
+      pend('t:' .. tenant, 1)
+      pend('m:' .. model .. ':' .. tenant, 1)
       leases[#leases + 1] = arg(14)
       leases[#leases + 1] = id
       redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', arg(15))
@@ -297,7 +304,7 @@ while kb < #KEYS do
   out[#out + 1] = answer
   kb, ab = kb + used_keys, ab + used_args
 end
-for _, field in ipairs(up_order) do redis.call('HINCRBY', RUNNING, field, up[field]) end
+write_pending()
 if #leases > 0 then redis.call('ZADD', LEASES, unpack(leases)) end
 return out
 """
@@ -554,14 +561,8 @@ local function unblock(tenant, blocked)
   redis.call('DEL', blocked)
 end
 -- Written once for all the requests of the call, after them (in the order first seen).
-local down, down_order = {}, {}  -- running counter field -> runs ended
-local function count_down(field)
-  if not down[field] then down[field] = 0 down_order[#down_order + 1] = field end
-  down[field] = down[field] + 1
-end
 local ended_leases = {}
 local blocked_of, tenants_order = {}, {}  -- tenant -> its blocked set
-local synced = false
 local function finish(k, a)
   local RECLAIMED = KEYS[k + 1]
   local READY = {high = KEYS[k + 2], normal = KEYS[k + 3], low = KEYS[k + 4], batch = KEYS[k + 5]}
@@ -578,7 +579,7 @@ local function finish(k, a)
     if s == state then allowed = true end
   end
   if not allowed or (run ~= '' and h[2] ~= run) then
-    if not synced then sync() synced = true end
+    sync()
     return {0}
   end
   local model, band, tenant = h[3], h[4], h[5]
@@ -595,8 +596,8 @@ local function finish(k, a)
     redis.call('LREM', QUEUE[band], 1, id)
     if redis.call('LLEN', QUEUE[band]) == 0 then redis.call('ZREM', READY[band], tenant) end
   elseif state == 'running' then
-    count_down('t:' .. tenant)
-    count_down('m:' .. model .. ':' .. tenant)
+    pend('t:' .. tenant, -1)
+    pend('m:' .. model .. ':' .. tenant, -1)
     ended_leases[#ended_leases + 1] = id
     if not h[7] and redis.call('LREM', RECLAIMED, 1, id) > 0 then decr(BACKLOG, 'r:' .. model, 1) end
     if not blocked_of[tenant] then blocked_of[tenant] = BLOCKED tenants_order[#tenants_order + 1] = tenant end
@@ -622,7 +623,7 @@ local out = {}
 for r = 0, (#KEYS - 9) / 13 - 1 do
   out[r + 1] = finish(9 + r * 13, 3 + r * 11)
 end
-for _, field in ipairs(down_order) do decr(RUNNING, field, down[field]) end
+write_pending()
 if #ended_leases > 0 then redis.call('ZREM', LEASES, unpack(ended_leases)) end
 for _, tenant in ipairs(tenants_order) do unblock(tenant, blocked_of[tenant]) end
 return out
