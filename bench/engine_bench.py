@@ -133,7 +133,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--ahead",
-        default="off",
+        default="on",
         choices=("off", "on"),
         help="static decode: launch a greedy batch's next step before its tokens are taken (model.py's decode_ahead)",
     )

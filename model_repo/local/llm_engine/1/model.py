@@ -48,8 +48,9 @@ gauges.py).
 
 Parameters (config.pbtxt): model_dir, engine (hf | synthetic), device, dtype, decode (auto:
 the static cache and CUDA graphs of static_decode.py on CUDA for the models it supports, or
-eager: HfBackend's decode step everywhere), decode_ahead (false: the static decode's next
-greedy step launched before the engine takes this one's tokens, see static_decode.py),
+eager: HfBackend's decode step everywhere), decode_ahead (true: the static decode's next
+greedy step launched before the engine takes this one's tokens, see static_decode.py; false
+waits for them),
 coalesce_streamed_tokens (auto: true on CUDA;
 see responder.py), tokens_per_block, max_active_requests, kv_cache_memory, kv_cache_max_blocks (the last
 three `auto`: sized from the device, see engine.size_limits), exclude_input_in_output,
@@ -231,7 +232,7 @@ class TritonPythonModel:
 
                 static = supports(AutoConfig.from_pretrained(model_dir))
             if static:
-                ahead = params.get("decode_ahead", "false").strip().lower() in ("1", "true")
+                ahead = params.get("decode_ahead", "true").strip().lower() in ("1", "true")
                 backend = StaticBackend(model_dir, device=device, dtype=dtype, overlap=ahead)
             else:
                 backend = HfBackend(model_dir, device=device, dtype=dtype)

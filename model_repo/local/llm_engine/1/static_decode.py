@@ -18,8 +18,9 @@ busy at 128 streams); a replayed graph runs the same kernels back to back.
   the longest row, so a step reads the KV the batch has, not the whole cache. A bucket's
   graph is captured at its first use, with the step's own inputs (the warm-up writes the
   same keys and values the replay writes); one whose capture fails runs eagerly.
-- Launched ahead (`overlap`; model.py's `decode_ahead`, off by default: built and tested on
-  the CPU, not yet measured on a GPU): a greedy batch's next step is launched as
+- Launched ahead (`overlap`; model.py's `decode_ahead`, on by default: on an H100, 128
+  streams of 512 tokens through Triton, 26,600-26,900 tokens/s against 19,200-23,000 without;
+  docs/benchmarks.md): a greedy batch's next step is launched as
   soon as this step's tokens are read, before the engine takes them (ends sequences,
   queues responses), so the GPU runs while the engine's thread does the step's Python.
   The next decode takes its tokens if no row joined meanwhile (none is launched while a
