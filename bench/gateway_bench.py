@@ -77,14 +77,14 @@ STREAM_MODEL = "llm_synthetic"  # the engine contract with no compute: 20 ms per
 STREAM_INPUTS: dict[str, Any] = {"text_input": "Hello world, the gateway", "max_tokens": 32}
 
 
-def _photo() -> str:
-    """A 640x480 RGB PNG (a smooth gradient, 5 KB), base64: the CLIP tower resizes it to 224."""
+def _photo(fmt: str = "PNG") -> str:
+    """A 640x480 RGB picture (a smooth gradient; PNG 5 KB), base64: the CLIP tower resizes it to 224."""
     from PIL import Image
 
     y, x = np.mgrid[0:480, 0:640]
     pixels = np.stack([x * 255 // 640, y * 255 // 480, (x + y) * 255 // 1120], axis=-1).astype(np.uint8)
     out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
+    Image.fromarray(pixels).save(out, format=fmt)
     return base64.b64encode(out.getvalue()).decode()
 
 
@@ -334,6 +334,7 @@ class ClientJob:
     triton_url: str
     api_key: str
     model: str
+    inputs: dict[str, Any]
     mode: str
     clients: int
     seconds: float
@@ -347,7 +348,7 @@ def run_client_job(job: ClientJob) -> tuple[list[float], Counter, float]:
 async def _client_job(job: ClientJob) -> tuple[list[float], Counter, float]:
     triton = triton_aio.InferenceServerClient(job.triton_url)
     http = Gateways(job.urls, job.api_key, measure_cpu=False)
-    call = make_calls(triton, http, job.model)[job.mode]
+    call = make_calls(triton, http, job.model, job.inputs)[job.mode]
     try:
         await closed_loop(call, min(job.clients, 8), 0.5, lambda: 0.0)  # connections up, then wait
         await asyncio.sleep(max(0.0, job.start_at - time.time()))
@@ -366,7 +367,7 @@ async def closed_loop_in_processes(
     start_at = time.time() + 2.0
     shares = [args.clients // count + (i < args.clients % count) for i in range(count)]
     jobs = [
-        ClientJob(args.urls, args.triton, args.api_key, args.model, mode, share, args.slice, start_at)
+        ClientJob(args.urls, args.triton, args.api_key, args.model, args.inputs, mode, share, args.slice, start_at)
         for share in shares
     ]
     loop = asyncio.get_running_loop()
@@ -679,12 +680,21 @@ async def section_llm(args: argparse.Namespace, triton: triton_aio.InferenceServ
     return lines + error_lines(errors)
 
 
-def make_calls(triton: triton_aio.InferenceServerClient, http: Gateways, model: str) -> dict[str, Call]:
+def make_calls(
+    triton: triton_aio.InferenceServerClient, http: Gateways, model: str, inputs: dict[str, Any]
+) -> dict[str, Call]:
     return {
-        "direct": direct_call(triton, model, INPUTS[model]),
-        "sync": sync_call(http, model, INPUTS[model]),
-        "async": async_call(http, model, INPUTS[model]),
+        "direct": direct_call(triton, model, inputs),
+        "sync": sync_call(http, model, inputs),
+        "async": async_call(http, model, inputs),
     }
+
+
+def model_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """The request each call sends: INPUTS', clip_image's picture as --image-format asks."""
+    if args.model == "clip_image" and getattr(args, "image_format", "png") != "png":
+        return {"image": _photo(args.image_format.upper())}
+    return INPUTS[args.model]
 
 
 async def run(
@@ -694,7 +704,8 @@ async def run(
     args.redis_url = redis_url
     triton = triton_aio.InferenceServerClient(triton_url)
     http = Gateways(gateway_urls, api_key)
-    calls = make_calls(triton, http, args.model)
+    args.inputs = model_inputs(args)
+    calls = make_calls(triton, http, args.model, args.inputs)
     if {"open", "closed"} & set(args.sections):
         for call in calls.values():  # warm up every path
             await closed_loop(call, 8, 2, lambda: 0.0)
@@ -741,6 +752,7 @@ def main() -> None:
     parser.add_argument("--llm-streams", default="1,8,32,128", help="concurrent streams for the llm section")
     parser.add_argument("--llm-tokens", type=int, default=64)
     parser.add_argument("--model", default="clip_text", choices=sorted(INPUTS))
+    parser.add_argument("--image-format", default="png", choices=("png", "jpeg"), help="clip_image's picture")
     parser.add_argument("--workers", type=int, default=1, help="gateway processes of the stack it starts")
     parser.add_argument("--gateway-url", help="running gateways (comma separated), with --triton-url")
     parser.add_argument("--triton-url")

@@ -162,6 +162,23 @@ async def test_clip_image_refuses_bad_image_bytes_and_keeps_serving(triton) -> N
     assert image.shape == (1, 32)
 
 
+async def _executions_and_requests(triton, model: str) -> tuple[int, int]:
+    stats = (await triton.get_inference_statistics(model, as_json=True))["model_stats"][0]
+    return int(stats.get("execution_count", 0)), int(stats.get("inference_count", 0))
+
+
+async def test_clip_texts_tokenized_together_each_get_their_own_embedding(triton) -> None:
+    texts = [f"a photo of {n} red squares on a mat".encode() for n in range(24)]
+    alone = [await _embed(triton, "clip_text", "text", text, "text_embeds") for text in texts]
+    executions, requests = await _executions_and_requests(triton, "clip_tokenizer")
+    together = await asyncio.gather(*(_embed(triton, "clip_text", "text", text, "text_embeds") for text in texts))
+    executions_after, requests_after = await _executions_and_requests(triton, "clip_tokenizer")
+    # sent at once, some went through the tokenizer in one execution (its dynamic batcher)
+    assert requests_after - requests == 24 > executions_after - executions
+    for mine, batched in zip(alone, together, strict=True):
+        np.testing.assert_allclose(batched, mine, atol=1e-5)
+
+
 async def test_text_embed_with_real_minilm_weights_ranks_by_meaning(triton) -> None:
     async def embed(text: str) -> np.ndarray:
         return (await _embed(triton, "text_embed", "text", text.encode(), "embedding"))[0]

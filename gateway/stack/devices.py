@@ -3,11 +3,12 @@
 On cpu the repository is served as written: every model KIND_CPU in float32, Triton's
 python stubs one OpenMP thread each (see triton.py). On cuda the embedding towers run
 on the GPU (KIND_GPU, float16) with dynamic batching sized for it, the LLM engine puts
-its model on CUDA; the tokenizers, image decoding and the LLM ensemble's steps stay on
-the CPU. A Python backend instance is one process that uses 1-2.5 cores at saturation
-(measured on the H100: one instance per model left the GPU at 1-4%), so on cuda each
-tower and the CPU steps that feed it get `gpu_instances` instances (about one per two
-cores), and each stub as many OpenMP threads as the cores give per instance."""
+its model on CUDA, and the CLIP image step decodes JPEGs and resizes on the GPU (KIND_GPU:
+its model.py); the tokenizers and the LLM ensemble's steps stay on the CPU. A Python
+backend instance is one process that uses 1-2.5 cores at saturation (measured on the
+H100: one instance per model left the GPU at 1-4%), so on cuda each tower and the steps
+that feed it get `gpu_instances` instances (about one per two cores), and each stub as
+many OpenMP threads as the cores give per instance."""
 
 from __future__ import annotations
 
@@ -38,14 +39,17 @@ GPU_MODELS = {
 }
 GPU_MAX_QUEUE_DELAY_US = 500
 GPU_DTYPE = "float16"
-# The CPU steps that feed the towers (the CLIP ensembles' tokenizer and image decoding):
-# as many instances as the towers, or they bound them.
-GPU_FEEDERS = ("clip_tokenizer", "clip_image_preprocessing")
+# The steps that feed the towers (the CLIP ensembles' tokenizer and image decoding), and
+# where they run: as many instances as the towers, or they bound them.
+GPU_FEEDERS = {
+    "clip_tokenizer": model_config_pb2.ModelInstanceGroup.KIND_CPU,
+    "clip_image_preprocessing": model_config_pb2.ModelInstanceGroup.KIND_GPU,
+}
 MAX_GPU_INSTANCES = 8
 
 
 def gpu_instances(cores: int | None = None) -> int:
-    """Instances of each tower (and of its CPU feeders) on cuda: one per two cores, 1 to 8."""
+    """Instances of each tower (and of its feeders) on cuda: one per two cores, 1 to 8."""
     cores = cores if cores is not None else os.cpu_count() or 1
     return max(1, min(MAX_GPU_INSTANCES, cores // 2))
 
@@ -78,7 +82,7 @@ def place(config: model_config_pb2.ModelConfig, device: Device, instances: int =
         config.parameters["device"].string_value = device
     if device == "cuda" and config.name in GPU_FEEDERS:
         del config.instance_group[:]
-        config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=instances)
+        config.instance_group.add(kind=GPU_FEEDERS[config.name], count=instances)
     batching = GPU_MODELS.get(config.name)
     if device != "cuda" or batching is None:
         return

@@ -78,8 +78,20 @@ def test_on_cuda_the_llm_engine_uses_cuda_and_the_cpu_steps_stay_on_the_cpu(tmp_
     for name in _placing_themselves(source):
         assert rendered[name].parameters["device"].string_value == "cuda"
     for name, config in rendered.items():
-        if name not in TOWERS:
+        if name not in TOWERS and devices.GPU_FEEDERS.get(name) != KIND_GPU:
             assert _as_written(config) == _as_written(source[name]), name
+
+
+def test_on_cuda_the_image_step_runs_on_the_gpu_and_the_tokenizer_on_the_cpu(tmp_path: Path) -> None:
+    source = load_repo(MODEL_REPO / "local")
+    rendered = _render(tmp_path, "cuda")
+    assert [(g.kind, g.count) for g in rendered["clip_image_preprocessing"].instance_group] == [(KIND_GPU, 1)]
+    assert [(g.kind, g.count) for g in rendered["clip_tokenizer"].instance_group] == [(KIND_CPU, 1)]
+    # only its placement changes: the step's batches, inputs and outputs are as written
+    image_step = rendered["clip_image_preprocessing"]
+    del image_step.instance_group[:]
+    image_step.instance_group.extend(source["clip_image_preprocessing"].instance_group)
+    assert _as_written(image_step) == _as_written(source["clip_image_preprocessing"])
 
 
 def test_on_cuda_the_towers_and_the_cpu_steps_feeding_them_run_as_many_instances(tmp_path: Path) -> None:
@@ -87,8 +99,8 @@ def test_on_cuda_the_towers_and_the_cpu_steps_feeding_them_run_as_many_instances
     rendered = _render(tmp_path, "cuda", instances=8)
     for name in TOWERS:
         assert [(g.kind, g.count) for g in rendered[name].instance_group] == [(KIND_GPU, 8)]
-    for name in devices.GPU_FEEDERS:
-        assert [(g.kind, g.count) for g in rendered[name].instance_group] == [(KIND_CPU, 8)]
+    for name, kind in devices.GPU_FEEDERS.items():
+        assert [(g.kind, g.count) for g in rendered[name].instance_group] == [(kind, 8)]
     for name, config in rendered.items():
         if name not in TOWERS and name not in devices.GPU_FEEDERS:
             assert _as_written(config) == _as_written(source[name]), name
