@@ -529,10 +529,17 @@ def redis_command_lines(totals: dict[str, Samples]) -> list[str]:
     }
     if not per_request:
         return []
-    lines = ["", "Redis commands per request:", "", row("command", *per_request)]
-    lines.append(row(*["---"] * (len(per_request) + 1)))
+    usec = {
+        mode: {name: u / s.served for name, u in s.redis.usec.items()}
+        for mode, s in totals.items()
+        if s.redis is not None and s.served
+    }
+    lines = ["", "Redis commands per request, and µs executing them (an EVALSHA's include its script's):", ""]
+    lines.append(row("command", *per_request, *(f"{mode} µs" for mode in per_request)))
+    lines.append(row(*["---"] * (2 * len(per_request) + 1)))
     for name, _ in sum(per_request.values(), Counter()).most_common():
-        lines.append(row(name, *(f"{counts[name]:.2f}" for counts in per_request.values())))
+        lines.append(row(name, *(f"{counts[name]:.2f}" for counts in per_request.values()),
+                         *(f"{usec[mode].get(name, 0):.1f}" for mode in per_request)))  # fmt: skip
     return lines
 
 

@@ -19,6 +19,7 @@ class RedisSample:
     info: dict[str, Any]  # INFO all
     calls: Counter[str] = field(default_factory=Counter)  # commandstats: calls per command
     exec_usec: float = 0.0  # commandstats: microseconds spent executing, all commands
+    usec: Counter[str] = field(default_factory=Counter)  # commandstats: microseconds per command
 
     @classmethod
     def read(cls, client: redis.Redis) -> RedisSample:
@@ -27,6 +28,7 @@ class RedisSample:
         for name, stat in info.items():
             if name.startswith("cmdstat_"):
                 sample.calls[name.removeprefix("cmdstat_")] += int(stat["calls"])
+                sample.usec[name.removeprefix("cmdstat_")] += int(stat["usec"])
                 sample.exec_usec += float(stat["usec"])
         return sample
 
@@ -48,6 +50,8 @@ class RedisWindow:
     cpu_s: float = 0.0
     bytes_in: float = 0.0
     bytes_out: float = 0.0
+    # microseconds executing each command (an EVALSHA's include the commands its script ran)
+    usec: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def between(cls, before: RedisSample, after: RedisSample) -> RedisWindow:
@@ -57,12 +61,15 @@ class RedisWindow:
         calls = after.calls.copy()
         calls.subtract(before.calls)
         calls["info"] -= 1  # the first sample's own
+        usec = after.usec.copy()
+        usec.subtract(before.usec)
         return cls(
             calls=+calls,
             exec_usec=after.exec_usec - before.exec_usec,
             cpu_s=delta("used_cpu_sys") + delta("used_cpu_user"),
             bytes_in=delta("total_net_input_bytes"),
             bytes_out=delta("total_net_output_bytes"),
+            usec=+usec,
         )
 
     def __add__(self, other: RedisWindow) -> RedisWindow:
@@ -72,6 +79,7 @@ class RedisWindow:
             self.cpu_s + other.cpu_s,
             self.bytes_in + other.bytes_in,
             self.bytes_out + other.bytes_out,
+            self.usec + other.usec,
         )
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import pytest
 import redis
 
 from gateway.protocol.redis_keys import shard_of
+from gateway.stack import owners
 from gateway.stack.owners import TRITON_SHM_PREFIX, shm_regions
 from gateway.stack.process import ManagedProcess, ServiceSpec, free_port
 from gateway.stack.services import gateway_spec, redis_spec
@@ -277,6 +279,24 @@ def test_after_a_crash_the_orphaned_children_are_found_by_owner_and_killed(tmp_p
     process.cleanup()
     assert not stub.is_running() or stub.status() == psutil.STATUS_ZOMBIE
     assert shm_regions(process.spec.shm_prefix or "") == []
+
+
+def test_a_killed_process_its_parent_never_reaps_counts_as_ended(tmp_path: Path) -> None:
+    # As a Triton stub reparented to a container's first process: killed, it stays a zombie.
+    code = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(child.pid, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert owners._kill([child]) == []
+        assert child.status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def _sleeper(tmp_path: Path, code: str = "import time; print('up', flush=True); time.sleep(600)") -> ManagedProcess:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -83,14 +84,28 @@ def remove_shm(prefix: str) -> list[Path]:
     return removed
 
 
+def _ended(proc: psutil.Process) -> bool:
+    """Gone, or a zombie: a descendant whose parent died is reparented to an ancestor that
+    may never reap it (a container's first process), but it runs nothing and holds nothing."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 def _kill(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """SIGKILL each; those still running _KILL_WAIT_S later (normally none)."""
     targets = list(procs)
     for proc in targets:
         try:
             proc.kill()  # psutil checks the pid still names the same process first
         except psutil.Error:
             pass
-    _gone, alive = psutil.wait_procs(targets, timeout=_KILL_WAIT_S)
+    deadline = time.monotonic() + _KILL_WAIT_S
+    alive = [proc for proc in targets if not _ended(proc)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [proc for proc in alive if not _ended(proc)]
     return alive
 
 
