@@ -46,7 +46,16 @@ from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, RedisError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    OutOfMemoryError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -60,6 +69,17 @@ MAX_BLOCK_MS = 2000
 # Redis out of reach, or (Cluster) a slot without a serving primary, between a primary's
 # failure and its replica's promotion: the callers retry.
 REDIS_OUTAGE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, ClusterDownError, TryAgainError)
+
+
+def is_redis_full(exc: BaseException) -> bool:
+    """Whether Redis refused a write at its maxmemory (noeviction): a command's own
+    OutOfMemoryError (redis-py drops the reply's OOM prefix), or a script's write refused
+    inside it (a ResponseError naming the OOM reply)."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc)
+    )
+
+
 # Slot map refreshes are coalesced: at most one in this long.
 _REFRESH_EVERY_S = 0.2
 # Client ids of blocking readers remembered (a reader per shard and process, reconnecting now and then).

@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pymongo.errors import PyMongoError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.common.redis import NotReplicated
+from gateway.common.redis import NotReplicated, is_redis_full
 from gateway.server.errors import Busy, Conflict, InvalidRequest, Refused
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class ErrorRenderer:
             return self.response(path, 503, "not_replicated", message, details, retry)
         if isinstance(exc, RedisError):
             retry = {"Retry-After": str(self.retry_after_s)}
-            if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+            if is_redis_full(exc):
                 # Redis runs with maxmemory-policy noeviction: accepted work is never evicted,
                 # new work is refused until the backlog drains.
                 log.warning("Redis is full (maxmemory) on %s %s", method, path)
