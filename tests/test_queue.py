@@ -19,8 +19,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.common.redis import RedisClients, connect
 from gateway.protocol import State, new_request_id
 from gateway.protocol.redis_keys import Shard
+from gateway.server import spine
+from gateway.server.dispatch.leases import LeaseKeeper
 from gateway.server.dispatch.scheduler import Headroom
-from gateway.server.queue import jobs
+from gateway.server.queue import jobs, scripts
 from gateway.server.queue.jobs import TAKE_TOKEN_TTL_S, Admission, Job, JobStore, NewRequest
 from tests.conftest import lone_redis
 
@@ -569,12 +571,17 @@ async def test_a_run_started_at_once_and_handed_over_enters_the_deadlines_set(st
 
 
 @pytest.fixture
-async def grouped(redis_server: str) -> AsyncIterator[JobStore]:
-    """A JobStore whose script calls go through a group commit, as a gateway's on one Redis."""
+async def clients(redis_server: str) -> AsyncIterator[RedisClients]:
     clients = RedisClients.open(url=redis_server, cluster_nodes=[], timeout_s=5, max_connections=20)
     await clients.main.flushdb()
-    yield JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=10_000, replication=clients)
+    yield clients
     await clients.main.aclose()
+
+
+@pytest.fixture
+def grouped(clients: RedisClients) -> JobStore:
+    """A JobStore whose script calls go through a group commit, as a gateway's on one Redis."""
+    return JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=10_000, replication=clients)
 
 
 async def _evalshas(redis: aioredis.Redis) -> int:
@@ -787,3 +794,80 @@ def test_a_reader_skips_token_events_it_has_the_pieces_of() -> None:
         assert event is not None
         delivered.append(event.data)
     assert delivered == ["ab", "cde", "f"]
+
+
+# -- renewals ------------------------------------------------------------------------------------------
+
+
+async def _started(store: JobStore, consumer: str = "c1") -> tuple[str, str]:
+    """A request started at once by `consumer`: (its id, its run's token)."""
+    now = time.time()
+    request_id = new_request_id(now)
+    submitted = await store.submit(
+        [NewRequest(request_id, {"inputs": {}}, now, now + 60)],
+        model="m",
+        tenant="t",
+        band="normal",
+        admission=OPEN,
+        start_as=consumer,
+    )
+    assert submitted.outcome == "started"
+    return request_id, submitted.run
+
+
+async def _renew(clients: RedisClients, request_id: str, run: str, consumer: str = "c1") -> list[int]:
+    client = clients.sync_client()
+    try:
+        renew = client.register_script(scripts.RENEW)
+        return await asyncio.to_thread(spine.keep_leases, renew, SHARD, consumer, 10_000, [(request_id, run)])
+    finally:
+        client.close()
+
+
+async def test_renewing_a_running_run_of_ours_keeps_it(grouped: JobStore, clients: RedisClients) -> None:
+    request_id, run = await _started(grouped)
+    assert await _renew(clients, request_id, run) == [1]
+
+
+async def test_renewing_a_run_its_own_finish_ended_says_ended_not_stale(
+    grouped: JobStore, clients: RedisClients
+) -> None:
+    request_id, run = await _started(grouped)
+    job = await grouped.load(request_id)
+    assert job is not None
+    assert isinstance(await grouped.finish(job.record(State.SUCCEEDED), run=run), str)
+    assert await _renew(clients, request_id, run) == [3]
+    assert await grouped.redis.zscore(SHARD.leases, request_id) is None  # no lease for an ended run
+
+
+async def test_renewing_a_run_another_took_over_says_stale(grouped: JobStore, clients: RedisClients) -> None:
+    request_id, run = await _started(grouped)
+    await grouped.redis.zadd(SHARD.leases, {request_id: 0})  # its lease ran out
+    assert await grouped.reclaim(SHARD) == 1
+    (taken,) = await take_all(grouped, consumer="c2")
+    assert taken.request_id == request_id and taken.run != run
+    assert await _renew(clients, request_id, run) == [0]
+
+
+async def test_the_lease_keeper_forgets_a_run_whose_own_finish_landed_without_stopping_it(
+    grouped: JobStore, clients: RedisClients
+) -> None:
+    request_id, run = await _started(grouped)
+    job = await grouped.load(request_id)
+    assert job is not None
+    assert isinstance(await grouped.finish(job.record(State.SUCCEEDED), run=run), str)
+    flags: list[tuple[str, int]] = []
+    keeper = LeaseKeeper(clients, [SHARD], "c1", 300, lambda rid, _run, flag: flags.append((rid, flag)))
+    keeper.add(request_id, run)  # the run still registered: its FINISH's reply is on its way back
+    keeper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while keeper.rounds < 3:
+            assert time.monotonic() < deadline, "the lease keeper made no rounds"
+            await asyncio.sleep(0.05)
+    finally:
+        await keeper.stop()
+    await asyncio.sleep(0)  # anything the keeper posted to this loop runs now
+    assert flags == []  # not reported stale: the dispatcher would cancel a run awaiting its own FINISH
+    keeper.add(request_id, "a later run")  # (it was forgotten: a fresh add is the only entry)
+    assert keeper._runs == {request_id: "a later run"}

@@ -11,7 +11,9 @@ it, the shards renewed side by side (a shard whose node is away holds up no othe
 
 What RENEW reports goes back to the event loop (call_soon_threadsafe): a stale run
 (another run took over, or it was handed on) is stopped, a cancel is passed on (pub/sub
-makes a cancel fast; renewal makes it certain).
+makes a cancel fast; renewal makes it certain). A run that ended while still its own (its
+FINISH landed between this round's list of runs and its RENEW) is only forgotten: stopping
+it would cancel a task waiting for its own FINISH's reply, as if another run had taken over.
 
 A process that stops altogether (killed, frozen, starved of CPU) renews nothing: its
 leases lapse and its work moves, as before. An event loop wedged for good while this
@@ -200,9 +202,9 @@ class LeaseKeeper:
         assert loop is not None
         for (request_id, run), flag in zip(runs, flags, strict=True):
             flag = int(flag)
-            if flag == 0:
+            if flag in (0, 3):
                 self.discard(request_id, run)
-            if flag != 1:
+            if flag in (0, 2):  # 3: the run ends on its own (its FINISH is in, or on its way back)
                 try:
                     loop.call_soon_threadsafe(self.on_flag, request_id, run, flag)
                 except RuntimeError:

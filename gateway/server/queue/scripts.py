@@ -458,13 +458,18 @@ return out
 # KEYS: the shard's leases, then per run its request's hash (lease_keys).
 # ARGV: consumer, lease end (ms), then pairs of request id and its run's token.
 # Renews the leases of the runs still ours; returns per run: 1 still ours, 2 ours but
-# asked to cancel, 0 stale (another run took over, or it was handed on).
+# asked to cancel, 0 stale (another run took over, or it was handed on), 3 ended while
+# still this run's (FINISH keeps `run` and `owner`): its own FINISH landed before this
+# renewal, whose list of runs was taken while that FINISH was in flight, or the sweeper
+# expired it (its run's own deadline cuts it too).
 RENEW = """
 local out = {}
 for i = 3, #ARGV, 2 do
   local h = redis.call('HMGET', KEYS[(i - 1) / 2 + 1], 'state', 'run', 'cancel', 'owner')
-  if h[1] ~= 'running' or h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[1] then
+  if h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[1] then
     out[#out + 1] = 0
+  elseif h[1] ~= 'running' then
+    out[#out + 1] = 3
   else
     redis.call('ZADD', KEYS[1], ARGV[2], ARGV[i])
     out[#out + 1] = h[3] == '1' and 2 or 1
