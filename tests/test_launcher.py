@@ -25,7 +25,7 @@ import redis
 from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes
 from gateway.stack.process import free_port, port_is_free
 from gateway.stack.services import binder_spec, gateway_spec
-from gateway.stack.settings import StackSettings
+from gateway.stack.settings import GIB, StackSettings, redis_maxmemory
 from gateway.stack.stack import LocalStack
 
 # The console script, as the Makefile's `up` target runs it.
@@ -235,6 +235,27 @@ def test_up_starts_every_server_healthy(healthy: UpRun) -> None:
     names = " ".join(" ".join(proc.cmdline()) for proc in healthy.tree())
     for server in ("tritonserver", "redis-server", "nx-27017", "gateway.cli serve", "binder.cli run"):
         assert server in names
+
+
+def test_redis_refuses_rather_than_evicts_with_an_eighth_of_the_machines_memory(healthy: UpRun) -> None:
+    client = redis.Redis(port=healthy.ports["redis_port"], socket_timeout=5, decode_responses=True)
+    config = client.config_get("maxmemory*")
+    client.close()
+    assert config["maxmemory-policy"] == "noeviction"
+    assert int(config["maxmemory"]) == max(GIB, psutil.virtual_memory().total // 8)
+
+
+def test_redis_maxmemory_auto_is_an_eighth_of_the_memory_and_at_least_1_gib() -> None:
+    assert redis_maxmemory("auto", 128 * GIB) == str(16 * GIB)
+    assert redis_maxmemory("auto", 4 * GIB) == str(GIB)
+
+
+def test_a_redis_maxmemory_setting_is_a_redis_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STACK_REDIS_MAXMEMORY", "2gb")
+    assert redis_maxmemory(StackSettings().redis_maxmemory, 128 * GIB) == "2gb"
+    monkeypatch.setenv("STACK_REDIS_MAXMEMORY", "lots")
+    with pytest.raises(ValueError, match="redis_maxmemory"):
+        StackSettings()
 
 
 def test_the_data_directory_is_private(healthy: UpRun) -> None:

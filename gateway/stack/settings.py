@@ -11,6 +11,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.assets import model_repo
 
+GIB = 1 << 30
+
+
+def redis_maxmemory(setting: str, total_memory: int) -> str:
+    """Redis's maxmemory for the setting: auto is an eighth of total_memory, at least 1 GiB."""
+    if setting != "auto":
+        return setting
+    return str(max(GIB, total_memory // 8))
+
 
 class StackSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STACK_", env_file=".env", extra="ignore")
@@ -36,6 +45,11 @@ class StackSettings(BaseSettings):
     # llm_synthetic's time per decode step in µs (its config says 20,000: 50 tokens/s a
     # stream); smaller measures the gateway's relay of a fast stream (bench.gateway_bench).
     synthetic_decode_us: int | None = Field(default=None, ge=1, le=10_000_000)
+    # Redis's maxmemory (noeviction: past it new work is refused, 503 redis_full): a Redis
+    # size ("2gb", "512mb") or auto, an eighth of the machine's memory, at least 1 GB. A
+    # finished request stays until the binder stores it and 30 s after (RESULTS_KEEP_S):
+    # ~17 KB a text_embed request, so at the 4,000 req/s of an H100 ~2 GB (docs/benchmarks.md).
+    redis_maxmemory: str = Field(default="auto", pattern=r"^(auto|[1-9][0-9]*(b|kb|mb|gb)?)$")
     # Try to download weights missing from the local Hugging Face cache.
     allow_downloads: bool = Field(default_factory=lambda: os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"))
     model_repo: Path = Field(default_factory=lambda: model_repo() / "local")

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
@@ -31,7 +32,7 @@ from gateway.stack.process import (
     stop_processes,
 )
 from gateway.stack.services import binder_spec, gateway_spec, mongo_spec, redis_spec
-from gateway.stack.settings import StackSettings
+from gateway.stack.settings import StackSettings, redis_maxmemory
 from gateway.stack.supervisor import GiveUp, RestartPolicy, Supervisor
 from gateway.stack.triton import triton_spec
 
@@ -198,7 +199,12 @@ class LocalStack:
         """Spec factories in start order (factories, so slow steps run at start time)."""
         s = self.settings
         steps: list[Callable[[], ServiceSpec]] = [
-            lambda: redis_spec(data_dir=self.data_dir, host=s.host, port=s.redis_port),
+            lambda: redis_spec(
+                data_dir=self.data_dir,
+                host=s.host,
+                port=s.redis_port,
+                maxmemory=redis_maxmemory(s.redis_maxmemory, psutil.virtual_memory().total),
+            ),
         ]
         if not s.mongo_url:
             steps.append(lambda: mongo_spec(data_dir=self.data_dir, host=s.host, port=s.mongo_port))
