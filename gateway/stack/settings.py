@@ -48,7 +48,8 @@ class StackSettings(BaseSettings):
     # Redis's maxmemory (noeviction: past it new work is refused, 503 redis_full): a Redis
     # size ("2gb", "512mb") or auto, an eighth of the machine's memory, at least 1 GB. A
     # finished request stays until the binder stores it and 30 s after (RESULTS_KEEP_S):
-    # ~17 KB a text_embed request, so at the 4,000 req/s of an H100 ~2 GB (docs/benchmarks.md).
+    # at least ~17 KB a text_embed request, so 2 GB or more at an H100's 4,000 req/s
+    # (docs/deployment.md).
     redis_maxmemory: str = Field(default="auto", pattern=r"^(auto|[1-9][0-9]*(b|kb|mb|gb)?)$")
     # Try to download weights missing from the local Hugging Face cache.
     allow_downloads: bool = Field(default_factory=lambda: os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"))
