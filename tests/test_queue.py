@@ -829,13 +829,19 @@ async def test_renewing_a_running_run_of_ours_keeps_it(grouped: JobStore, client
     assert await _renew(clients, request_id, run) == [1]
 
 
+async def _started_and_finished(store: JobStore) -> tuple[str, str]:
+    """A request started at once by c1 whose run then finished it: (its id, the run's token)."""
+    request_id, run = await _started(store)
+    job = await store.load(request_id)
+    assert job is not None
+    assert isinstance(await store.finish(job.record(State.SUCCEEDED), run=run), str)
+    return request_id, run
+
+
 async def test_renewing_a_run_its_own_finish_ended_says_ended_not_stale(
     grouped: JobStore, clients: RedisClients
 ) -> None:
-    request_id, run = await _started(grouped)
-    job = await grouped.load(request_id)
-    assert job is not None
-    assert isinstance(await grouped.finish(job.record(State.SUCCEEDED), run=run), str)
+    request_id, run = await _started_and_finished(grouped)
     assert await _renew(clients, request_id, run) == [3]
     assert await grouped.redis.zscore(SHARD.leases, request_id) is None  # no lease for an ended run
 
@@ -852,10 +858,7 @@ async def test_renewing_a_run_another_took_over_says_stale(grouped: JobStore, cl
 async def test_the_lease_keeper_forgets_a_run_whose_own_finish_landed_without_stopping_it(
     grouped: JobStore, clients: RedisClients
 ) -> None:
-    request_id, run = await _started(grouped)
-    job = await grouped.load(request_id)
-    assert job is not None
-    assert isinstance(await grouped.finish(job.record(State.SUCCEEDED), run=run), str)
+    request_id, run = await _started_and_finished(grouped)
     flags: list[tuple[str, int]] = []
     keeper = LeaseKeeper(clients, [SHARD], "c1", 300, lambda rid, _run, flag: flags.append((rid, flag)))
     keeper.add(request_id, run)  # the run still registered: its FINISH's reply is on its way back
