@@ -48,7 +48,7 @@ class StackSettings(BaseSettings):
     # Redis's maxmemory (noeviction: past it new work is refused, 503 redis_full): a Redis
     # size ("2gb", "512mb") or auto, an eighth of the machine's memory, at least 1 GB. A
     # finished request stays until the binder stores it and 30 s after (RESULTS_KEEP_S):
-    # at least ~17 KB a text_embed request, so 2 GB or more at an H100's 4,000 req/s
+    # Redis's memory grew ~17 KB a text_embed request on an H100, so 2 GB or more at 4,000 req/s
     # (docs/deployment.md).
     redis_maxmemory: str = Field(default="auto", pattern=r"^(auto|[1-9][0-9]*(b|kb|mb|gb)?)$")
     # Try to download weights missing from the local Hugging Face cache.

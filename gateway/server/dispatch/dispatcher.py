@@ -321,46 +321,48 @@ class Dispatcher:
         request_id = job.request_id
         # This task's log context is a copy of its spawner's (maybe another request's run).
         bind_request_ids(trace_id=job.payload.get("trace_id"), request_id=request_id)
-        try:
-            if running.stale:
-                return
-            control = running.control = RunControl(request_id=request_id, attempt=job.attempts, token=job.run)
-            control.cancel_requested = job.cancel_requested
-            self.metrics.count_queue_wait(job.model, max(0.0, time.time() - job.created_at))
-            record = await spine.run(
-                self.runner,
-                job,
-                control,
-                running.prepared,
-                max_deliveries=self.settings.max_deliveries,
-                on_acquired=lambda: self._acquired(running),
-            )
-            data = await spine.finish(
-                self.jobs, job, record, control.emitter, output_event=self._output_event(job, record)
-            )
-            if data is not None:
-                self.notifier.deliver(request_id, data)
-                log.info(
-                    "request %s: %s on %s, %.0f ms after submission",
-                    request_id,
-                    record.status.value,
-                    record.replica or "no replica",
-                    record.timings.total_ms or 0,
+        # Its `done` message is for other processes: this one is handed the record (deliver).
+        with self.notifier.running(request_id):
+            try:
+                if running.stale:
+                    return
+                control = running.control = RunControl(request_id=request_id, attempt=job.attempts, token=job.run)
+                control.cancel_requested = job.cancel_requested
+                self.metrics.count_queue_wait(job.model, max(0.0, time.time() - job.created_at))
+                record = await spine.run(
+                    self.runner,
+                    job,
+                    control,
+                    running.prepared,
+                    max_deliveries=self.settings.max_deliveries,
+                    on_acquired=lambda: self._acquired(running),
                 )
-        except StaleRun:
-            log.warning(
-                "request %s: attempt %d found itself stale; the newer run finishes it", request_id, job.attempts
-            )
-        except asyncio.CancelledError:
-            if not running.stale:
-                raise  # shutting down: the request is handed on
-        except Exception:
-            log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
-        finally:
-            self.leases.discard(request_id, job.run)
-            self.running.pop(request_id, None)
-            self._acquired(running)
-            self._wake.set()
+                data = await spine.finish(
+                    self.jobs, job, record, control.emitter, output_event=self._output_event(job, record)
+                )
+                if data is not None:
+                    self.notifier.deliver(request_id, data)
+                    log.info(
+                        "request %s: %s on %s, %.0f ms after submission",
+                        request_id,
+                        record.status.value,
+                        record.replica or "no replica",
+                        record.timings.total_ms or 0,
+                    )
+            except StaleRun:
+                log.warning(
+                    "request %s: attempt %d found itself stale; the newer run finishes it", request_id, job.attempts
+                )
+            except asyncio.CancelledError:
+                if not running.stale:
+                    raise  # shutting down: the request is handed on
+            except Exception:
+                log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
+            finally:
+                self.leases.discard(request_id, job.run)
+                self.running.pop(request_id, None)
+                self._acquired(running)
+                self._wake.set()
 
     def _acquired(self, running: Running) -> None:
         """The run holds a replica slot now (or ended without one): it no longer counts as waiting."""

@@ -620,8 +620,9 @@ local function finish(k, a)
   if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
   redis.call('EXPIRE', REQ, TTL)
   redis.call('EXPIRE', EVENTS, TTL)
-  -- The message carries the record, so a waiting client needs no further read.
-  redis.call('PUBLISH', DONE, id .. '\\n' .. record)
+  -- The message names the request: every gateway process receives it, the record would
+  -- go to each; a waiter it wakes reads the record (results/notifier.py).
+  redis.call('PUBLISH', DONE, id)
   return {1}
 end
 local out = {}

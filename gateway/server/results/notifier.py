@@ -1,17 +1,22 @@
 """Wake long-polls the moment a request ends.
 
-One Redis pub/sub subscription per process (channel `done`, published by the finish
-script with the request id and its record) feeds in-process futures, so a thousand
-waiting clients cost one connection and no extra read. Pub/sub may drop a message
-while reconnecting, so on every (re)subscription all waiters are told to look again."""
+One Redis pub/sub subscription per process (channel `done`, on which the finish script
+publishes the request's id) feeds in-process futures, so a thousand waiting clients cost
+one connection. The message names the request only (every gateway process receives every
+message: a record in it would be sent to all of them), so a waiter it wakes reads the
+record (the results entry) once. A request run in this process needs no message: its
+dispatcher hands the record to this process's waiters at once (`deliver`), and messages
+for it are ignored while it runs (`running`), so that they do not make its waiters read
+what is about to be handed to them. Pub/sub may drop a message while reconnecting, so on
+every (re)subscription all waiters are told to look again."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 from gateway.common.redis import RedisClients
 from gateway.common.retry import LoopHealth, supervise
@@ -25,6 +30,8 @@ class CompletionNotifier:
         self.redis = redis
         # Each future gets the record's JSON, or None for "look again" (after a reconnect).
         self._waiters: dict[str, set[asyncio.Future[str | None]]] = defaultdict(set)
+        # Runs of this process in progress, by request id (their dispatcher delivers).
+        self._running: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
         self.health = LoopHealth("completion channel")
@@ -51,15 +58,30 @@ class CompletionNotifier:
                     if message is None:
                         await pubsub.ping()  # notice a dead connection within seconds
                         continue
-                    request_id, _, record = message["data"].partition("\n")
-                    self._wake(request_id, record or None)
+                    request_id = message["data"]
+                    if request_id not in self._running:
+                        self._wake(request_id, None)
         finally:
             self._wake_all()
 
     def deliver(self, request_id: str, record: str) -> None:
-        """Wake this process's waiters at once, without the pub/sub round trip (called by
-        the dispatcher that finished the request; the published message then finds none)."""
+        """Wake this process's waiters at once with the record, without the pub/sub round
+        trip and a read (called by the dispatcher that finished the request)."""
         self._wake(request_id, record)
+
+    @contextmanager
+    def running(self, request_id: str) -> Iterator[None]:
+        """While a run of this process has the request: its `done` message is left to the
+        run's deliver. A run that ends without delivering (another finished the request)
+        tells the waiters to look again."""
+        self._running[request_id] += 1
+        try:
+            yield
+        finally:
+            self._running[request_id] -= 1
+            if self._running[request_id] <= 0:
+                del self._running[request_id]
+                self._wake(request_id, None)
 
     def _wake(self, request_id: str, record: str | None) -> None:
         for future in self._waiters.pop(request_id, ()):
