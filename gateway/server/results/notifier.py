@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 class CompletionNotifier:
     def __init__(self, redis: RedisClients) -> None:
         self.redis = redis
-        # Each future gets the record's JSON, or None for "look again" (after a reconnect).
+        # Each future gets the record's JSON, or None for "look again" (a `done` message, a
+        # run of this process that ended without a record, a reconnect).
         self._waiters: dict[str, set[asyncio.Future[str | None]]] = defaultdict(set)
         # Runs of this process in progress, by request id (their dispatcher delivers).
         self._running: Counter[str] = Counter()
