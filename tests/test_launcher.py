@@ -321,6 +321,35 @@ def test_ctrl_c_to_the_process_group_when_healthy_leaves_no_process_port_or_regi
     assert "no process left behind" in healthy.output
 
 
+class _RepeatingKernel:
+    """socket.socket as a kernel that hands the same ephemeral port to binds in a row."""
+
+    ports = iter([41000, 41000, 41000, 41001])
+
+    def __init__(self, *_: object) -> None:
+        self.port = 0
+
+    def __enter__(self) -> _RepeatingKernel:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def bind(self, _: object) -> None:
+        self.port = next(self.ports)
+
+    def getsockname(self) -> tuple[str, int]:
+        return "127.0.0.1", self.port
+
+
+def test_free_ports_in_a_row_differ_even_when_the_kernel_repeats_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.stack import process
+
+    monkeypatch.setattr(process, "_handed_out", set())
+    monkeypatch.setattr(process.socket, "socket", _RepeatingKernel)
+    assert [free_port(), free_port()] == [41000, 41001]
+
+
 def test_up_with_a_taken_port_says_so_in_one_line(tmp_path) -> None:
     ports = _ports()
     with socket.socket() as taken:

@@ -85,10 +85,22 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+# Ports free_port handed out in this process.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, and none this process handed out before: once the first socket is
+    closed the kernel may give the same ephemeral port to the next bind (a stack's Triton
+    once got one port for HTTP and metrics, and would not start)."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            break
+    _handed_out.add(port)
+    return port
 
 
 # -- private files ---------------------------------------------------------------------
