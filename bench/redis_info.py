@@ -18,7 +18,6 @@ class RedisSample:
 
     info: dict[str, Any]  # INFO all
     calls: Counter[str] = field(default_factory=Counter)  # commandstats: calls per command
-    exec_usec: float = 0.0  # commandstats: microseconds spent executing, all commands
     usec: Counter[str] = field(default_factory=Counter)  # commandstats: microseconds per command
 
     @classmethod
@@ -29,7 +28,6 @@ class RedisSample:
             if name.startswith("cmdstat_"):
                 sample.calls[name.removeprefix("cmdstat_")] += int(stat["calls"])
                 sample.usec[name.removeprefix("cmdstat_")] += int(stat["usec"])
-                sample.exec_usec += float(stat["usec"])
         return sample
 
     @classmethod
@@ -46,7 +44,6 @@ class RedisWindow:
     """What Redis did between two samples (summed over nodes with `+`)."""
 
     calls: Counter[str] = field(default_factory=Counter)
-    exec_usec: float = 0.0
     cpu_s: float = 0.0
     bytes_in: float = 0.0
     bytes_out: float = 0.0
@@ -65,7 +62,6 @@ class RedisWindow:
         usec.subtract(before.usec)
         return cls(
             calls=+calls,
-            exec_usec=after.exec_usec - before.exec_usec,
             cpu_s=delta("used_cpu_sys") + delta("used_cpu_user"),
             bytes_in=delta("total_net_input_bytes"),
             bytes_out=delta("total_net_output_bytes"),
@@ -75,12 +71,16 @@ class RedisWindow:
     def __add__(self, other: RedisWindow) -> RedisWindow:
         return RedisWindow(
             self.calls + other.calls,
-            self.exec_usec + other.exec_usec,
             self.cpu_s + other.cpu_s,
             self.bytes_in + other.bytes_in,
             self.bytes_out + other.bytes_out,
             self.usec + other.usec,
         )
+
+    @property
+    def exec_usec(self) -> float:
+        """Microseconds executing commands, all of them (scripts' inner ones counted twice)."""
+        return float(sum(self.usec.values()))
 
     @property
     def commands(self) -> int:
