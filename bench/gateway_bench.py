@@ -699,7 +699,7 @@ def make_calls(
 
 def model_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """The request each call sends: INPUTS', clip_image's picture as --image-format asks."""
-    if args.model == "clip_image" and getattr(args, "image_format", "png") != "png":
+    if args.model == "clip_image" and args.image_format != "png":
         return {"image": _photo(args.image_format.upper())}
     return INPUTS[args.model]
 
