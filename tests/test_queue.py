@@ -661,6 +661,23 @@ async def test_submissions_ready_together_go_in_one_call_each_admitted_as_if_alo
     assert await grouped.redis.hget(SHARD.running, "t:a") == "1"
 
 
+async def _calls_of(redis: aioredis.Redis, command: str) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_submissions_in_one_call_read_the_backlog_counters_once(grouped: JobStore) -> None:
+    await queue(grouped, "warm", 1)  # (the script loaded, if Redis did not know it)
+    before = await _calls_of(grouped.redis, "hmget")
+    answers = await asyncio.gather(
+        *(grouped.submit([_new()], model="m", tenant="t", band="normal", admission=OPEN) for _ in range(5))
+    )
+    assert [a.outcome for a in answers] == ["accepted"] * 5
+    # Each submission looks for its own hash (a replay); the counters are read once.
+    assert await _calls_of(grouped.redis, "hmget") - before == 5 + 1
+    assert await grouped.redis.hget(SHARD.backlog, "m:m") == "6"
+
+
 async def test_a_concurrency_limit_holds_within_one_call(grouped: JobStore) -> None:
     limited = Admission(**{**OPEN.__dict__, "max_concurrent": 2})
     answers = await asyncio.gather(

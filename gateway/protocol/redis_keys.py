@@ -44,7 +44,7 @@ from gateway.protocol.ids import MAX_SHARDS, request_id_shard
 BANDS = ("high", "normal", "low", "batch")  # served in this order
 
 # -- pub/sub (cluster-wide) ---------------------------------------------------------------
-DONE_CHANNEL = "done"  # '<id>' when a request ends (the record is in its results entry)
+DONE_CHANNEL = "done"  # '<id> <id> ...': requests a FINISH ended (each record is in its results entry)
 CANCEL_CHANNEL = "cancel"  # '<id>' when a running request is asked to stop
 WORK_CHANNEL = "work"  # '<shard prefix><model>' when work appears where there was none
 KEYS_CHANNEL = "keys:changed"  # an API key was revoked (every process drops its cache)

@@ -179,6 +179,21 @@ SUBMIT = (
     + """
 local leases = {}  -- score, id, ... of the runs started at once
 local settings_seen = {}  -- tenant -> its settings, as written
+-- The backlog's counters, each read once a call and kept as the call writes them: the
+-- submissions of one call mostly share them.
+local backlog = {}
+local function backlog_of(fields)
+  local missing = {}
+  for _, f in ipairs(fields) do if backlog[f] == nil then missing[#missing + 1] = f end end
+  if #missing > 0 then
+    local got = redis.call('HMGET', BACKLOG, unpack(missing))
+    for i, f in ipairs(missing) do backlog[f] = num(got[i]) end
+  end
+  local values = {}
+  for i, f in ipairs(fields) do values[i] = backlog[f] end
+  return unpack(values)
+end
+local function add_backlog(f, by) backlog[f] = redis.call('HINCRBY', BACKLOG, f, by) end
 -- One submission: its keys after KEYS[kb], its arguments after ARGV[ab]. Returns its
 -- answer and how many keys and arguments it took.
 local function submit(kb, ab)
@@ -215,8 +230,8 @@ local function submit(kb, ab)
     return existing, used_keys, used_args
   end
   local total_field, tenant_field = counters(band, tenant)
-  local c = redis.call('HMGET', BACKLOG, total_field, 'bytes', tenant_field, 'm:' .. model, 'r:' .. model)
-  local total, bytes, mine, waiting, reclaimed = num(c[1]), num(c[2]), num(c[3]), num(c[4]), num(c[5])
+  local total, bytes, mine, waiting, reclaimed =
+    backlog_of({total_field, 'bytes', tenant_field, 'm:' .. model, 'r:' .. model})
   local size = 0
   for i = 1, k do size = size + string.len(field(i, 2)) end
   if bytes + size > num(arg(8)) then return {'full', 'bytes', tostring(bytes)}, used_keys, used_args end
@@ -290,10 +305,10 @@ local function submit(kb, ab)
       redis.call('ZADD', READY[band], vnow(mb), tenant)
     end
   end
-  redis.call('HINCRBY', BACKLOG, total_field, k)
-  redis.call('HINCRBY', BACKLOG, tenant_field, k)
-  redis.call('HINCRBY', BACKLOG, 'bytes', size)
-  redis.call('HINCRBY', BACKLOG, 'm:' .. model, k)
+  add_backlog(total_field, k)
+  add_backlog(tenant_field, k)
+  add_backlog('bytes', size)
+  add_backlog('m:' .. model, k)
   if waiting == 0 then redis.call('PUBLISH', 'work', P .. model) end
   return {'accepted'}, used_keys, used_args
 end
@@ -568,6 +583,10 @@ end
 -- Written once for all the requests of the call, after them (in the order first seen).
 local ended_leases = {}
 local blocked_of, tenants_order = {}, {}  -- tenant -> its blocked set
+-- The requests ended, named in one `done` message (space separated): every gateway process
+-- receives it, so it names them rather than carrying records; a waiter it wakes reads the
+-- record (results/notifier.py).
+local done = {}
 local function finish(k, a)
   local RECLAIMED = KEYS[k + 1]
   local READY = {high = KEYS[k + 2], normal = KEYS[k + 3], low = KEYS[k + 4], batch = KEYS[k + 5]}
@@ -620,9 +639,7 @@ local function finish(k, a)
   if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
   redis.call('EXPIRE', REQ, TTL)
   redis.call('EXPIRE', EVENTS, TTL)
-  -- The message names the request: every gateway process receives it, the record would
-  -- go to each; a waiter it wakes reads the record (results/notifier.py).
-  redis.call('PUBLISH', DONE, id)
+  done[#done + 1] = id
   return {1}
 end
 local out = {}
@@ -632,6 +649,7 @@ end
 write_pending()
 if #ended_leases > 0 then redis.call('ZREM', LEASES, unpack(ended_leases)) end
 for _, tenant in ipairs(tenants_order) do unblock(tenant, blocked_of[tenant]) end
+if #done > 0 then redis.call('PUBLISH', DONE, table.concat(done, ' ')) end
 return out
 """
 )

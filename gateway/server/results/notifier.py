@@ -1,13 +1,13 @@
 """Wake long-polls the moment a request ends.
 
-One Redis pub/sub subscription per process (channel `done`, on which the finish script
-publishes the request's id) feeds in-process futures, so a thousand waiting clients cost
-one connection. The message names the request only (every gateway process receives every
-message: a record in it would be sent to all of them), so a waiter it wakes reads the
-record (the results entry) once. A request run in this process needs no message: its
-dispatcher hands the record to this process's waiters at once (`deliver`), and messages
-for it are ignored while it runs (`running`), so that they do not make its waiters read
-what is about to be handed to them. Pub/sub may drop a message while reconnecting, so on
+One Redis pub/sub subscription per process (channel `done`, on which each finish script
+publishes the ids of the requests it ended, space separated) feeds in-process futures, so a
+thousand waiting clients cost one connection. The message names requests only (every gateway
+process receives every message: records in it would be sent to all of them), so a waiter it
+wakes reads the record (the results entry) once. A request run in this process needs no
+message: its dispatcher hands the record to this process's waiters at once (`deliver`), and
+messages for it are ignored while it runs (`running`), so that they do not make its waiters
+read what is about to be handed to them. Pub/sub may drop a message while reconnecting, so on
 every (re)subscription all waiters are told to look again."""
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ class CompletionNotifier:
                     if message is None:
                         await pubsub.ping()  # notice a dead connection within seconds
                         continue
-                    request_id = message["data"]
-                    if request_id not in self._running:
-                        self._wake(request_id, None)
+                    for request_id in message["data"].split():
+                        if request_id not in self._running:
+                            self._wake(request_id, None)
         finally:
             self._wake_all()
 
