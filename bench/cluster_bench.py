@@ -192,9 +192,7 @@ async def _drive(
         wait_replicas=wait,
         wait_timeout_ms=1000,
     )
-    jobs = JobStore(
-        clients.main, shards=deployment["shards"], live_state_ttl_s=3600, idempotency_ttl_s=3600, replication=clients
-    )
+    jobs = JobStore(clients.main, shards=deployment["shards"], idempotency_ttl_s=3600, replication=clients)
     admission = Admission(max_backlog=10**9, max_batch_backlog=10**9, max_bytes=10**12)
     tenants = [f"bench-{seed}-{i}" for i in range(3 * deployment["shards"])]
     model = f"bench-{phase}"

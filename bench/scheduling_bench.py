@@ -70,7 +70,7 @@ async def script_usec(client: aioredis.Redis) -> float:
 
 async def measure(client: aioredis.Redis, tenants: int, per_tenant: int, decisions: int) -> dict[str, float]:
     await fill(client, tenants, per_tenant)
-    store = JobStore(client, live_state_ttl_s=60, idempotency_ttl_s=60)
+    store = JobStore(client, idempotency_ttl_s=60)
     await store.take(SHARD, MODEL, "warm-up")  # loads the script
     await client.config_resetstat()
     samples = []

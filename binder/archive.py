@@ -30,7 +30,7 @@ from gateway.common.logs import request_ids_bound
 from gateway.common.redis import REDIS_OUTAGE
 from gateway.common.result_store import ResultStore
 from gateway.common.streams import Entry, StreamConsumer, stream_id_order
-from gateway.protocol import ResultRecord
+from gateway.protocol import ResultRecord, valid_request_id
 from gateway.protocol.redis_keys import BINDER_GROUP, Shard, all_shards, shard_of
 
 log = logging.getLogger(__name__)
@@ -38,20 +38,16 @@ log = logging.getLogger(__name__)
 # Mark the live state as stored (never re-creating a request hash that has expired) and
 # let it go RESULTS_KEEP_S later: from then on every read is answered from MongoDB (a
 # result, an SSE replay of the final record), so a finished request leaves nothing of its
-# own in Redis. KEYS: each request's hash then its events stream; ARGV[1]: seconds. Four
-# commands a request: the hash's TTL says whether it still exists (-2: gone) and stands for
-# the stream's too (FINISH gives both the same TTL in one script).
+# own in Redis. FINISH gives the live state no expiry (the binder gives it one here, or
+# LIVE_STATE_TTL_S when the result is dead-lettered). KEYS: each request's hash then its
+# events stream; ARGV[1]: seconds. Three commands a request: the hash's EXPIRE says whether
+# it still exists.
 MARK_STORED = """
 local keep = tonumber(ARGV[1])
 for i = 1, #KEYS, 2 do
-  local req, events = KEYS[i], KEYS[i + 1]
-  local ttl = redis.call('TTL', req)
-  if ttl ~= -2 then
-    redis.call('HSET', req, 'stored', '1')
-    if ttl == -1 or ttl > keep then
-      redis.call('EXPIRE', req, keep)
-      redis.call('EXPIRE', events, keep)
-    end
+  if redis.call('EXPIRE', KEYS[i], keep) == 1 then
+    redis.call('HSET', KEYS[i], 'stored', '1')
+    redis.call('EXPIRE', KEYS[i + 1], keep)
   end
 end
 return 1
@@ -90,6 +86,7 @@ class Archiver:
                 claim_idle_ms=settings.claim_idle_ms,
                 max_deliveries=settings.max_deliveries,
                 explain=self._explain,
+                on_dead_letter=self._let_live_state_go,
             )
             for shard in self.shards
         }
@@ -228,6 +225,18 @@ class Archiver:
 
     def _count_dead_letter(self, reason: str) -> None:
         self.dead_lettered[reason] = self.dead_lettered.get(reason, 0) + 1
+
+    async def _let_live_state_go(self, entry: Entry) -> None:
+        """A result that could not be stored keeps its live state (FINISH gives it no
+        expiry) LIVE_STATE_TTL_S more: long enough to replay the dead letter."""
+        request_id = entry.fields.get("id", "")
+        if not valid_request_id(request_id):
+            return
+        shard = shard_of(request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.expire(shard.request(request_id), self.settings.live_state_ttl_s)
+            pipe.expire(shard.events(request_id), self.settings.live_state_ttl_s)
+            await pipe.execute()
 
     def _explain(self, entry: Entry) -> str:
         """Why an entry delivered too often failed (called as it is dead-lettered)."""

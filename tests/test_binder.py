@@ -347,6 +347,33 @@ async def test_results_mongodb_cannot_store_are_dead_lettered_with_their_reason_
         await redis.aclose()
 
 
+async def test_a_result_that_cannot_be_stored_leaves_its_live_state_to_expire(stack, mongo, isolated) -> None:
+    process, _ = stack.start_binder("binder-live-state", LIVE_STATE_TTL_S="600", **isolated)
+    redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
+    try:
+        unstorable = text_record("x" * (17 * 1024 * 1024))  # over MongoDB's 16 MiB document limit
+        normal = text_record("stored")
+        shard = Shard(0)
+        for record in (unstorable, normal):  # their live state as FINISH leaves it: no expiry
+            await redis.hset(shard.request(record.request_id), mapping={"state": "succeeded"})
+            await redis.xadd(shard.events(record.request_id), {"event": "completed"})
+        await publish(redis, [unstorable, normal])
+        await _until(lambda: _dead_letters(redis, 1), timeout=30)
+        await _until(lambda: _stored(mongo, isolated["MONGO_DB"], normal.request_id), timeout=30)
+        for key in (shard.request(unstorable.request_id), shard.events(unstorable.request_id)):
+            assert 30 < await redis.ttl(key) <= 600  # LIVE_STATE_TTL_S: time to replay it
+        await _until(lambda: _has_ttl(redis, shard.request(normal.request_id)), timeout=10)
+        for key in (shard.request(normal.request_id), shard.events(normal.request_id)):
+            assert 0 < await redis.ttl(key) <= 30  # RESULTS_KEEP_S after it was stored
+    finally:
+        stack.stop(process)
+        await redis.aclose()
+
+
+async def _has_ttl(redis, key: str) -> bool:
+    return await redis.ttl(key) > 0
+
+
 async def _stored(mongo, database: str, request_id: str) -> bool:
     return await mongo[database][RESULTS_COLLECTION].find_one({"_id": request_id}, {"_id": 1}) is not None
 

@@ -75,7 +75,7 @@ async def _next_message(pubsub: PubSub) -> str:
 
 
 async def test_finish_publishes_the_request_id_alone(clients: RedisClients) -> None:
-    store = JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=10_000, replication=clients)
+    store = JobStore(clients.main, idempotency_ttl_s=60, lease_ms=10_000, replication=clients)
     job, run = await _started(store)
     async with clients.subscription(DONE_CHANNEL) as pubsub:
         assert isinstance(await store.finish(job.record(State.SUCCEEDED), run=run), str)
@@ -83,7 +83,7 @@ async def test_finish_publishes_the_request_id_alone(clients: RedisClients) -> N
 
 
 async def test_requests_finished_together_are_named_in_one_message(clients: RedisClients) -> None:
-    store = JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=10_000, replication=clients)
+    store = JobStore(clients.main, idempotency_ttl_s=60, lease_ms=10_000, replication=clients)
     started = [await _started(store) for _ in range(3)]
     async with clients.subscription(DONE_CHANNEL) as pubsub:
         # Ready together, the three FINISHes go as one call (the group commit).

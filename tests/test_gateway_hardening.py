@@ -274,7 +274,7 @@ async def test_headers_over_the_limit_are_431_and_the_gateway_serves_on(http) ->
 async def jobs(stack):
     client = aioredis.from_url(stack.redis_db_url(42), decode_responses=True)
     await client.flushdb()
-    yield JobStore(client, live_state_ttl_s=60, idempotency_ttl_s=60), client
+    yield JobStore(client, idempotency_ttl_s=60), client
     await client.aclose()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.gateway_calls import llm_body, read_events, submit, wait_result
 
 SAMPLING = {"seed": 1234, "top_k": 40, "temperature": 1.0}
@@ -52,9 +54,18 @@ async def test_embedding_request_streams_an_output_event(http) -> None:
     assert kinds == ["queued", "running", "output", "completed"]
 
 
-async def test_malformed_last_event_id_is_422(http) -> None:
+async def test_resuming_after_any_event_gives_exactly_the_events_after_it(http) -> None:
+    request_id = await submit(http, {"model": "clip_text", "inputs": {"text": "resume"}})
+    events = await read_events(http, request_id)
+    assert [e["event"] for e in events] == ["queued", "running", "output", "completed"]
+    for i, event in enumerate(events[:-1]):
+        assert await read_events(http, request_id, last_event_id=event["id"]) == events[i + 1 :], event
+
+
+@pytest.mark.parametrize("last_event_id", ["garbage", "1-2-1", "1-2-0-0", "-1-2"])
+async def test_malformed_last_event_id_is_422(http, last_event_id: str) -> None:
     request_id = await submit(http, {"model": "clip_text", "inputs": {"text": "sse"}})
-    response = await http.get(f"/results/{request_id}/events", headers={"Last-Event-ID": "garbage"})
+    response = await http.get(f"/results/{request_id}/events", headers={"Last-Event-ID": last_event_id})
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "invalid_last_event_id"
 

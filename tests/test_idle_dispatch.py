@@ -62,7 +62,7 @@ class Counted:
 async def dispatcher(redis_url: str) -> AsyncIterator[Dispatcher]:
     clients = RedisClients.open(url=redis_url, cluster_nodes=[], timeout_s=5, max_connections=32)
     await clients.main.flushdb()
-    jobs = JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=15_000, replication=clients)
+    jobs = JobStore(clients.main, idempotency_ttl_s=60, lease_ms=15_000, replication=clients)
     pool = ReplicaPool([], max_inflight=4, probe_interval_s=60, probe_timeout_s=1)
     # A replica serving the model, never called (nothing waits): the dispatcher has room.
     pool.replicas.append(Replica("stand-in:1", None, 4, healthy=True, ready_models=frozenset({MODEL})))

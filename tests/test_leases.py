@@ -69,7 +69,7 @@ async def gateway(redis_url: str) -> AsyncIterator[tuple[Dispatcher, Runner]]:
     clients = RedisClients.open(url=redis_url, cluster_nodes=[], timeout_s=5, max_connections=32)
     await clients.main.flushdb()
     settings = GatewaySettings(claim_idle_ms=LEASE_MS, max_deliveries=3)
-    jobs = JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=LEASE_MS, replication=clients)
+    jobs = JobStore(clients.main, idempotency_ttl_s=60, lease_ms=LEASE_MS, replication=clients)
     runner = Runner()
     dispatcher = Dispatcher(
         redis=clients,

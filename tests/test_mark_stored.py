@@ -1,7 +1,7 @@
 """The binder's MARK_STORED script on a real Redis (binder/archive.py): a stored request's
-hash says so, its hash and events stream go RESULTS_KEEP_S later (never later than they
-would have), a hash that already expired is not made again, and all of it in four commands
-a request."""
+hash says so, its hash and events stream (which FINISH leaves without an expiry) go
+RESULTS_KEEP_S later, a hash that already expired is not made again, and all of it in
+three commands a request."""
 
 from __future__ import annotations
 
@@ -31,13 +31,11 @@ async def redis(redis_server: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-async def finished(redis: aioredis.Redis, name: str, ttl: int) -> tuple[str, str]:
-    """A finished request's hash and events stream, as FINISH leaves them: both with `ttl`."""
+async def finished(redis: aioredis.Redis, name: str) -> tuple[str, str]:
+    """A finished request's hash and events stream, as FINISH leaves them: no expiry."""
     request, events = f"req:{name}", f"events:{name}"
     await redis.hset(request, mapping={"state": "succeeded"})
     await redis.xadd(events, {"event": "completed"})
-    await redis.expire(request, ttl)
-    await redis.expire(events, ttl)
     return request, events
 
 
@@ -48,20 +46,11 @@ async def commands(redis: aioredis.Redis) -> int:
 
 async def test_a_stored_request_is_marked_and_goes_after_the_keep_time(redis: aioredis.Redis) -> None:
     mark = redis.register_script(MARK_STORED)
-    request, events = await finished(redis, "a", 3600)
+    request, events = await finished(redis, "a")
     await mark(keys=[request, events], args=[KEEP_S])
     assert await redis.hget(request, "stored") == "1"
     assert 0 < await redis.ttl(request) <= KEEP_S
     assert 0 < await redis.ttl(events) <= KEEP_S
-
-
-async def test_a_request_due_to_go_sooner_keeps_its_time(redis: aioredis.Redis) -> None:
-    mark = redis.register_script(MARK_STORED)
-    request, events = await finished(redis, "b", 5)
-    await mark(keys=[request, events], args=[KEEP_S])
-    assert await redis.hget(request, "stored") == "1"
-    assert await redis.ttl(request) <= 5
-    assert await redis.ttl(events) <= 5
 
 
 async def test_a_hash_that_expired_is_not_made_again(redis: aioredis.Redis) -> None:
@@ -70,10 +59,10 @@ async def test_a_hash_that_expired_is_not_made_again(redis: aioredis.Redis) -> N
     assert not await redis.exists("req:gone")
 
 
-async def test_marking_costs_four_redis_commands_a_request(redis: aioredis.Redis) -> None:
+async def test_marking_costs_three_redis_commands_a_request(redis: aioredis.Redis) -> None:
     mark = redis.register_script(MARK_STORED)
-    await mark(keys=list(await finished(redis, "warm", 3600)), args=[KEEP_S])  # (the script loaded)
-    keys = [key for n in range(10) for key in await finished(redis, f"r{n}", 3600)]
+    await mark(keys=list(await finished(redis, "warm")), args=[KEEP_S])  # (the script loaded)
+    keys = [key for n in range(10) for key in await finished(redis, f"r{n}")]
     before = await commands(redis)
     await mark(keys=keys, args=[KEEP_S])
-    assert await commands(redis) - before - 1 <= 4 * 10  # (one EVALSHA for the ten)
+    assert await commands(redis) - before - 1 <= 3 * 10  # (one EVALSHA for the ten)

@@ -78,7 +78,7 @@ async def test_a_request_taken_while_it_is_read_never_reads_as_queued_without_it
     reading = _TakenAfterNextReply.from_url(url, decode_responses=True)
     await dispatcher.flushdb()
     try:
-        jobs = JobStore(dispatcher, live_state_ttl_s=60, idempotency_ttl_s=60)
+        jobs = JobStore(dispatcher, idempotency_ttl_s=60)
         admission = Admission(max_backlog=100, max_batch_backlog=100, max_bytes=10**6)
         now = time.time()
         first, second = new_request_id(now), new_request_id(now)
@@ -86,7 +86,7 @@ async def test_a_request_taken_while_it_is_read_never_reads_as_queued_without_it
             new = NewRequest(request_id, {"inputs": {}}, now, now + 60)
             await jobs.submit([new], model="m", tenant="t", band="normal", admission=admission)
         # (The store and the notifier serve ended requests only: none here.)
-        reader = ResultReader(JobStore(reading, live_state_ttl_s=60, idempotency_ttl_s=60), None, None, 3600)
+        reader = ResultReader(JobStore(reading, idempotency_ttl_s=60), None, None, 3600)
         await reader.get_json(second)  # the scripts are loaded: from here on a read is its calls alone
         reading.then = lambda: jobs.take(shard_of(first), "m", "dispatcher")
         _, body, status = await reader.get_json(first)

@@ -53,7 +53,7 @@ async def _refusal(write) -> RedisError:
 
 async def test_a_submission_refused_inside_its_script_is_redis_full(full: aioredis.Redis) -> None:
     now = time.time()
-    store = JobStore(full, live_state_ttl_s=60, idempotency_ttl_s=60, lease_ms=10_000)
+    store = JobStore(full, idempotency_ttl_s=60, lease_ms=10_000)
     submit = store.submit(
         [NewRequest(new_request_id(now), {"inputs": {}}, now, now + 60)],
         model="m",

@@ -86,8 +86,8 @@ async def stores(primary_and_replica: tuple[str, ManagedProcess]) -> AsyncIterat
         url=url, cluster_nodes=[], timeout_s=5, max_connections=1, wait_replicas=1, wait_timeout_ms=300
     )
     yield (
-        JobStore(first, live_state_ttl_s=60, idempotency_ttl_s=60),
-        JobStore(clients.main, live_state_ttl_s=60, idempotency_ttl_s=60, replication=clients),
+        JobStore(first, idempotency_ttl_s=60),
+        JobStore(clients.main, idempotency_ttl_s=60, replication=clients),
     )
     await first.aclose()
     await clients.aclose()

@@ -58,7 +58,9 @@ class ServiceSettings(BaseSettings):
     mongo_timeout_s: float = Field(default=5.0, gt=0)
     # How long a stored result is kept in MongoDB (TTL index on expires_at).
     result_retention_s: int = Field(default=7 * 24 * 3600, gt=0)
-    # How long Redis keeps a request's live state and event stream after it ends.
+    # How long Redis keeps the live state and event stream of a request whose result the
+    # binder could not store (dead-lettered; a stored one goes RESULTS_KEEP_S after it was
+    # stored; one not yet stored stays until it is).
     live_state_ttl_s: int = Field(default=24 * 3600, gt=0)
     log_level: str = "INFO"
     log_format: Literal["console", "json"] = "console"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -57,6 +57,8 @@ class StreamConsumer:
     max_deliveries: int
     # Says why an entry keeps failing, for its dead letter (default: it was never acked).
     explain: Callable[[Entry], str] | None = None
+    # Called after an entry is parked as a dead letter (what else it leaves behind).
+    on_dead_letter: Callable[[Entry], Awaitable[None]] | None = None
     # Where each stream's XAUTOCLAIM walk has got to.
     _cursors: dict[str, str] = field(default_factory=dict)
     _groups: set[str] = field(default_factory=set)
@@ -158,6 +160,8 @@ class StreamConsumer:
             pipe.xack(entry.stream, self.group, entry.id)
             await pipe.execute()
         log.error("entry %s of %s dead-lettered: %s", entry.id, entry.stream, error)
+        if self.on_dead_letter is not None:
+            await self.on_dead_letter(entry)
 
     async def trim(self, stream: str, keep_newer_than_s: float = 0, read_up_to: str | None = None) -> None:
         """Drop only entries the group has delivered and acknowledged: up to its last

@@ -161,7 +161,6 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         jobs = JobStore(
             redis,
             shards=settings.redis_shards,
-            live_state_ttl_s=settings.live_state_ttl_s,
             idempotency_ttl_s=settings.idempotency_ttl_s,
             lease_ms=settings.claim_idle_ms,
             replication=clients,

@@ -14,7 +14,6 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 from sse_starlette import ServerSentEvent
 
-from gateway.common.streams import stream_id_order
 from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.http import LiveStatus
 from gateway.protocol.redis_keys import shard_of
@@ -22,7 +21,7 @@ from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.results.events import TERMINAL_KINDS, TooManyStreams
+from gateway.server.results.events import TERMINAL_KINDS, TooManyStreams, event_order
 from gateway.server.services import Services, services
 
 router = APIRouter()
@@ -32,8 +31,10 @@ _MAX_ID_PART = 2**64 - 1
 
 
 def parse_event_id(value: str) -> str:
-    """A Redis stream id (ms-seq, each an unsigned 64-bit number), or 422."""
-    millis, dash, seq = value.partition("-")
+    """An event id this stream sends (a Redis stream id, ms-seq, each an unsigned 64-bit
+    number; or ms-seq-0 for the event an entry holds before its own), or 422."""
+    millis, dash, rest = value.partition("-")
+    seq, second_dash, sub = rest.partition("-")
     if (
         not dash
         or not millis.isdigit()
@@ -42,9 +43,10 @@ def parse_event_id(value: str) -> str:
         or len(seq) > 20
         or int(millis) > _MAX_ID_PART
         or int(seq) > _MAX_ID_PART
+        or (second_dash and sub != "0")
     ):
         raise ApiError(422, "invalid_last_event_id", "Last-Event-ID must be an event id this stream sent")
-    return f"{int(millis)}-{int(seq)}"
+    return f"{int(millis)}-{int(seq)}" + ("-0" if second_dash else "")
 
 
 @router.get(
@@ -70,7 +72,7 @@ async def result_events(
         outcome = await svc.results.get(request_id, who.scope)  # 404 / 410 for unknown ids
         return EventStream(_replay_record(outcome, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
     last = await svc.redis.xrevrange(shard_of(request_id).events(request_id), count=1)
-    if last and last[0][1].get("event") in TERMINAL_KINDS and stream_id_order(after) >= stream_id_order(last[0][0]):
+    if last and last[0][1].get("event") in TERMINAL_KINDS and event_order(after) >= event_order(last[0][0]):
         return Response(status_code=204)
     return EventStream(sse_events(svc, request_id, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
 
@@ -104,7 +106,7 @@ async def _replay_record(outcome: ResultRecord | LiveStatus, after: str) -> Asyn
     if isinstance(outcome, ResultRecord) and outcome.status in TERMINAL_EVENT:
         millis = int(outcome.finished_at.timestamp() * 1000) if outcome.finished_at else 0
         event_id = f"{millis}-0"
-        if stream_id_order(event_id) > stream_id_order(after):
+        if event_order(event_id) > event_order(after):
             yield ServerSentEvent(
                 data=outcome.model_dump_json(), event=TERMINAL_EVENT[outcome.status].value, id=event_id
             )

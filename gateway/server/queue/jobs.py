@@ -298,7 +298,6 @@ class JobStore:
         redis: Redis,
         *,
         shards: int = 1,
-        live_state_ttl_s: int,
         idempotency_ttl_s: int,
         lease_ms: int = 15_000,
         replication: RedisClients | None = None,
@@ -307,7 +306,6 @@ class JobStore:
         self.redis = redis
         self.replication = replication
         self.shards = all_shards(shards)
-        self.live_state_ttl_s = live_state_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
         self.lease_ms = lease_ms
         # Called with every record this process ends (run, cancel while queued, expiry):
@@ -567,7 +565,6 @@ class JobStore:
             ],
             [
                 shard.prefix,
-                self.live_state_ttl_s,
                 DONE_CHANNEL,
                 record.request_id,
                 record.status.value,

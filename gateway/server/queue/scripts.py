@@ -281,18 +281,19 @@ local function submit(kb, ab)
     local id, payload = field(i, 1), field(i, 2)
     redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
       'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'emitted', 0, unpack(state))
-    redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data',
-      cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))}))
-    if not start_now then redis.call('ZADD', DEADLINES, field(i, 4), id) end
+    local queued = cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))})
     if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', arg(5)) end
     if start_now then
       pend('t:' .. tenant, 1)
       pend('m:' .. model .. ':' .. tenant, 1)
       leases[#leases + 1] = arg(14)
       leases[#leases + 1] = id
-      redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', arg(15))
+      -- Its `queued` and `running` events in one entry (results/events.py reads it as both).
+      redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', arg(15), 'queued', queued)
       return {'started'}, used_keys, used_args
     end
+    redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data', queued)
+    redis.call('ZADD', DEADLINES, field(i, 4), id)
     redis.call('RPUSH', q, id)
   end
   -- The tenant has waiting work in (model, band): it joins the ready set at the current
@@ -550,7 +551,7 @@ return moved
 
 # KEYS: shard_keys (9), then per request (finish_keys) its model_keys and tenant_keys (10)
 #   and its hash, events and token ids (request_keys): 13 a request.
-# ARGV: prefix, ttl, done channel, then per request (finish_args, 11 each): id, status,
+# ARGV: prefix, done channel, then per request (finish_args, 11 each): id, status,
 #   record, finished_at, terminal event, allowed states (a,b), '1' for an `output` event
 #   (the whole outputs, when they were not streamed), run token ('' = not a run: cancel,
 #   expiry), pieces the run emitted ('' = not a streamed run), model, tenant (those its keys
@@ -567,7 +568,7 @@ return moved
 FINISH = (
     _SHARD
     + """
-local TTL, DONE = ARGV[2], ARGV[3]
+local DONE = ARGV[2]
 -- A run of the tenant ended: the ready sets it left at its limit take it back. They may
 -- be any model's: their keys are found here, from the blocked set's members.
 local function unblock(tenant, blocked)
@@ -633,18 +634,22 @@ local function finish(k, a)
   -- The payload is emptied in the same write (no longer needed, and it may be large); the
   -- owner stays: only a running request's owner is ever read.
   redis.call('HSET', REQ, 'state', status, 'finished_at', finished_at, 'result', entry, 'payload', '')
-  if output ~= '' then redis.call('XADD', EVENTS, '*', 'event', 'output', 'record', entry) end
-  redis.call('XADD', EVENTS, '*', 'event', terminal, 'record', entry)
+  -- The `output` event rides on the terminal event's entry (results/events.py reads both).
+  if output ~= '' then
+    redis.call('XADD', EVENTS, '*', 'event', terminal, 'record', entry, 'output', '1')
+  else
+    redis.call('XADD', EVENTS, '*', 'event', terminal, 'record', entry)
+  end
   if h[9] ~= '0' then redis.call('ZREM', DEADLINES, id) end  -- a run started at once is not there
   if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
-  redis.call('EXPIRE', REQ, TTL)
-  redis.call('EXPIRE', EVENTS, TTL)
+  -- No expiry here: the binder gives the hash and the events theirs once it has stored the
+  -- record (MARK_STORED), or could not (a dead letter): two commands less a request.
   done[#done + 1] = id
   return {1}
 end
 local out = {}
 for r = 0, (#KEYS - 9) / 13 - 1 do
-  out[r + 1] = finish(9 + r * 13, 3 + r * 11)
+  out[r + 1] = finish(9 + r * 13, 2 + r * 11)
 end
 write_pending()
 if #ended_leases > 0 then redis.call('ZREM', LEASES, unpack(ended_leases)) end
@@ -656,7 +661,7 @@ return out
 
 # The keys and arguments FINISH's requests share: a call for several requests of a shard is
 # these once, then each request's own (finish_keys, finish_args).
-FINISH_HEAD = (9, 3)
+FINISH_HEAD = (9, 2)
 # At most this many requests in one FINISH (the script runs alone in Redis meanwhile).
 FINISH_MOST = 64
 

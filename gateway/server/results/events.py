@@ -6,7 +6,12 @@ client interrupts the blocked read (CLIENT UNBLOCK) so its stream is read at onc
 A request's `output` and terminal events do not hold its record: they name its entry in
 the results stream (where FINISH wrote it once). The hub puts the record back (the whole
 record for the terminal event, its outputs for `output`), once per entry for all the
-entry's followers, so clients read the same events as if they held it."""
+entry's followers, so clients read the same events as if they held it.
+
+An entry may hold two events, to save Redis a write: a request started at once has its
+`queued` event in its `running` entry, and a request's `output` event rides on its
+terminal entry. The entry's own event has the entry's id; the one before it `<id>-0`,
+which sorts before it (event_order), so Last-Event-ID resumes between them."""
 
 from __future__ import annotations
 
@@ -33,6 +38,29 @@ EXISTS_EVERY_S = 30.0
 
 class TooManyStreams(Exception):
     pass
+
+
+# An entry's own event sorts after the event it carries before it (`<id>-0`).
+_OWN = 1 << 64
+
+
+def event_order(event_id: str) -> tuple[int, int, int]:
+    """Where an event id ("ms-seq" of its entry, or "ms-seq-0" for the event an entry holds
+    before its own) sorts."""
+    millis, _, rest = event_id.partition("-")
+    seq, _, sub = rest.partition("-")
+    return int(millis), int(seq or 0), int(sub) if sub else _OWN
+
+
+def read_after(event_id: str) -> str:
+    """The stream id to read after for the events after event_id: its entry's id, or for
+    the event an entry holds before its own, the id just before the entry."""
+    millis, seq, sub = event_order(event_id)
+    if sub == _OWN:
+        return f"{millis}-{seq}"
+    if seq > 0:
+        return f"{millis}-{seq - 1}"
+    return f"{millis - 1}-{(1 << 64) - 1}" if millis > 0 else "0-0"
 
 
 @dataclass(frozen=True)
@@ -132,9 +160,9 @@ class EventHub:
         reader = self._reader(shard)
         follower = _Follower(shard.events(request_id), after, 0 if after == "0-0" else None)
         reader.followers.setdefault(follower.key, set()).add(follower)
-        position = reader.positions.get(follower.key)
-        if position is None or stream_id_order(after) < stream_id_order(position):
-            reader.positions[follower.key] = after
+        position, start = reader.positions.get(follower.key), read_after(after)
+        if position is None or stream_id_order(start) < stream_id_order(position):
+            reader.positions[follower.key] = start
         await self._interrupt(reader)
         try:
             waiting = idle_s is not None
@@ -196,11 +224,12 @@ class EventHub:
                 for key, entries in reply or []:
                     events = []
                     for entry_id, fields in entries:
-                        entry = fields.get("record")
-                        kind = fields.get("event", "")
-                        data = fields.get("data", "{}") if entry is None else await self._record(key, kind, entry)
                         piece = (int(fields["i"]), int(fields["n"])) if "i" in fields else None
-                        events.append((entry_id, kind, data, piece))
+                        record = fields.get("record")
+                        parts = (
+                            _own_events(fields) if record is None else await self._record_events(key, fields, record)
+                        )
+                        events.append((entry_id, parts, piece))
                     if key in reader.positions:
                         reader.positions[key] = entries[-1][0]
                     self._fan_out(reader, key, events)
@@ -212,25 +241,35 @@ class EventHub:
             reader.connection = None
             await connection.aclose()
 
-    async def _record(self, key: str, kind: str, entry: str) -> str:
-        """The data of an event that names the record's results entry: the record (terminal
-        event), or its outputs (`output` event)."""
+    async def _record_events(self, key: str, fields: dict[str, str], entry: str) -> list[tuple[str, str]]:
+        """The (kind, data) of the events of an entry that names the record's results entry:
+        the terminal event gets the record, an `output` event its outputs."""
+        kind = fields.get("event", "")
         record = await self.records(key.rsplit(":", 1)[1], entry)
-        return json.dumps(json.loads(record).get("outputs")) if kind == "output" else record
+        if kind == "output":  # (an `output` entry of its own, as FINISH wrote them before)
+            return [(kind, _outputs(record))]
+        return [("output", _outputs(record)), (kind, record)] if "output" in fields else [(kind, record)]
 
     @staticmethod
-    def _fan_out(reader: _ShardReader, key: str, entries: list[tuple[str, str, str, tuple[int, int] | None]]) -> None:
+    def _fan_out(
+        reader: _ShardReader, key: str, entries: list[tuple[str, list[tuple[str, str]], tuple[int, int] | None]]
+    ) -> None:
         for follower in list(reader.followers.get(key, ())):
-            after = stream_id_order(follower.after)
-            for entry_id, kind, data, piece in entries:
-                if stream_id_order(entry_id) <= after:
-                    continue
-                follower.after = entry_id
-                if piece is not None:
-                    if follower.next_piece is not None and piece[0] < follower.next_piece:
-                        continue  # pieces it has already
-                    follower.next_piece = piece[0] + piece[1]
-                follower.queue.put_nowait(StreamEvent(entry_id, kind, data))
+            after = event_order(follower.after)
+            for entry_id, events, piece in entries:
+                millis, seq = stream_id_order(entry_id)
+                own = len(events) - 1
+                for n, (kind, data) in enumerate(events):
+                    order = (millis, seq, _OWN if n == own else n)
+                    if order <= after:
+                        continue
+                    event_id = entry_id if n == own else f"{entry_id}-{n}"
+                    follower.after, after = event_id, order
+                    if piece is not None:
+                        if follower.next_piece is not None and piece[0] < follower.next_piece:
+                            continue  # pieces it has already
+                        follower.next_piece = piece[0] + piece[1]
+                    follower.queue.put_nowait(StreamEvent(event_id, kind, data))
 
     async def _end_vanished(self, reader: _ShardReader) -> None:
         keys = list(reader.followers)
@@ -244,3 +283,14 @@ class EventHub:
             if not exists:
                 for follower in reader.followers.get(key, ()):
                     follower.queue.put_nowait(None)
+
+
+def _outputs(record: str) -> str:
+    return json.dumps(json.loads(record).get("outputs"))
+
+
+def _own_events(fields: dict[str, str]) -> list[tuple[str, str]]:
+    """The (kind, data) of an entry's events, in order: a `queued` event it carries, then
+    its own."""
+    own = (fields.get("event", ""), fields.get("data", "{}"))
+    return [("queued", fields["queued"]), own] if "queued" in fields else [own]
