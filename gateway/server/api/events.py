@@ -21,13 +21,12 @@ from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.results.events import TERMINAL_KINDS, TooManyStreams, event_order
+from gateway.server.results.events import MAX_ID_PART, TERMINAL_KINDS, TooManyStreams, event_order
 from gateway.server.services import Services, services
 
 router = APIRouter()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_MAX_ID_PART = 2**64 - 1
 
 
 def parse_event_id(value: str) -> str:
@@ -41,8 +40,8 @@ def parse_event_id(value: str) -> str:
         or not seq.isdigit()
         or len(millis) > 20
         or len(seq) > 20
-        or int(millis) > _MAX_ID_PART
-        or int(seq) > _MAX_ID_PART
+        or int(millis) > MAX_ID_PART
+        or int(seq) > MAX_ID_PART
         or (second_dash and sub != "0")
     ):
         raise ApiError(422, "invalid_last_event_id", "Last-Event-ID must be an event id this stream sent")

@@ -40,8 +40,10 @@ class TooManyStreams(Exception):
     pass
 
 
+# The largest part of a stream id (ms-seq: unsigned 64-bit numbers).
+MAX_ID_PART = (1 << 64) - 1
 # An entry's own event sorts after the event it carries before it (`<id>-0`).
-_OWN = 1 << 64
+_OWN = MAX_ID_PART + 1
 
 
 def event_order(event_id: str) -> tuple[int, int, int]:
@@ -60,7 +62,7 @@ def read_after(event_id: str) -> str:
         return f"{millis}-{seq}"
     if seq > 0:
         return f"{millis}-{seq - 1}"
-    return f"{millis - 1}-{(1 << 64) - 1}" if millis > 0 else "0-0"
+    return f"{millis - 1}-{MAX_ID_PART}" if millis > 0 else "0-0"
 
 
 @dataclass(frozen=True)
@@ -225,10 +227,8 @@ class EventHub:
                     events = []
                     for entry_id, fields in entries:
                         piece = (int(fields["i"]), int(fields["n"])) if "i" in fields else None
-                        record = fields.get("record")
-                        parts = (
-                            _own_events(fields) if record is None else await self._record_events(key, fields, record)
-                        )
+                        entry = fields.get("record")  # (the record's results entry)
+                        parts = _own_events(fields) if entry is None else await self._record_events(key, fields, entry)
                         events.append((entry_id, parts, piece))
                     if key in reader.positions:
                         reader.positions[key] = entries[-1][0]
