@@ -103,6 +103,26 @@ async def test_tenants_take_turns_whatever_their_backlog(store: JobStore) -> Non
     assert order[5:] == ["flood"] * 4
 
 
+async def test_one_take_of_several_starts_them_in_the_order_single_takes_would(store: JobStore) -> None:
+    await queue(store, "flood", 6)
+    await queue(store, "light", 2)
+    await queue(store, "other", 1)
+    taken = await store.take_many(SHARD, "m", "c1", most=5)
+    assert isinstance(taken, list)
+    assert [job.tenant for job in taken] == ["flood", "light", "other", "flood", "light"]
+    assert len({job.run for job in taken}) == 5  # each run its own fence
+    assert [job.tenant for job in await take_all(store)] == ["flood"] * 4
+
+
+async def test_a_take_of_several_starts_no_more_than_asked_and_no_more_than_wait(store: JobStore) -> None:
+    await queue(store, "t", 3)
+    first = await store.take_many(SHARD, "m", "c1", most=2)
+    assert isinstance(first, list) and len(first) == 2
+    rest = await store.take_many(SHARD, "m", "c1", most=8)
+    assert isinstance(rest, list) and len(rest) == 1
+    assert await store.take_many(SHARD, "m", "c1", most=8) == "empty"
+
+
 async def test_a_tenant_of_weight_two_starts_twice_as_often(store: JobStore) -> None:
     heavy = Admission(**{**OPEN.__dict__, "weight": 2.0})
     await queue(store, "double", 8, admission=heavy)
@@ -341,6 +361,21 @@ async def test_a_replayed_take_starts_nothing_more(store: JobStore, monkeypatch:
     events = [fields["event"] for _, fields in await store.redis.xrange(SHARD.events(first))]
     assert events.count("running") == 1
     waiting = await store.load(second)
+    assert waiting is not None and waiting.state == State.QUEUED
+
+
+async def test_a_replayed_take_of_several_starts_nothing_more(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, ids = await queue(store, "t", 3)
+    monkeypatch.setattr(jobs, "secrets", SimpleNamespace(token_hex=lambda nbytes: "lost-reply"))
+    taken = await store.take_many(SHARD, "m", "c1", most=2)
+    replay = await store.take_many(SHARD, "m", "c1", most=2)
+    assert isinstance(taken, list) and isinstance(replay, list)
+    assert [j.request_id for j in taken] == [j.request_id for j in replay] == ids[:2]
+    assert [j.run for j in taken] == [j.run for j in replay]
+    for request_id in ids[:2]:
+        events = [fields["event"] for _, fields in await store.redis.xrange(SHARD.events(request_id))]
+        assert events.count("running") == 1
+    waiting = await store.load(ids[2])
     assert waiting is not None and waiting.state == State.QUEUED
 
 

@@ -5,7 +5,8 @@ details live.
     1. accept   validate -> answer an idempotent replay (nothing charged) -> charge the
                 tenant's rate limits -> SUBMIT: queued durably in the tenant's shard, or
                 started at once in this process when it has a free replica slot
-    2. start    TAKE: the fair queue's next request, for a process with a free slot
+    2. start    TAKE: the fair queue's next requests, as many as a process has free slots
+                for, in one call
     3. run      guards (cancel asked, too many deliveries) -> route -> call the replica
                 (dispatch/runner.py) -> relay tokens (EMIT, batched per shard by
                 dispatch/relay.py); its lease kept meanwhile (RENEW, from a thread)
@@ -211,11 +212,14 @@ async def replayed(jobs: JobStore, tenant: str, keys: list[str], hashes: list[st
 # -- 2. start -----------------------------------------------------------------------------
 
 
-async def start_next(jobs: JobStore, shard: Shard, model: str, consumer: str, *, light_only: bool) -> Job | str:
-    """TAKE: start the fair queue's next request of `model` in the shard for this consumer
-    (dispatch/scheduler.py tells the policy): the Job, its `run` the new run's token; or
-    "empty", or "held" (only tenants outside the headroom wait)."""
-    return await jobs.take(shard, model, consumer, light_only=light_only)
+async def start_next(
+    jobs: JobStore, shard: Shard, model: str, consumer: str, *, most: int = 1, light_only: bool
+) -> list[Job] | str:
+    """TAKE: start the fair queue's next requests of `model` in the shard for this
+    consumer, up to `most` in one call (dispatch/scheduler.py tells the policy): the Jobs,
+    each `run` its new run's token; or "empty", or "held" (only tenants outside the
+    headroom wait)."""
+    return await jobs.take_many(shard, model, consumer, most=most, light_only=light_only)
 
 
 # -- 3. run -------------------------------------------------------------------------------

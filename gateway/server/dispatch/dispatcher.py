@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 # Where work waits is read this often, whatever was announced.
 POLL_S = 1.0
 
+# At most this many requests started by one TAKE (the script runs alone in Redis meanwhile).
+TAKE_MOST = 32
+
 
 @dataclass
 class Running:
@@ -244,15 +247,19 @@ class Dispatcher:
                     break
                 light = room <= self.headroom.reserve(model, self._slots(model))
                 self.plan.clear(shard.index, model)  # a wake during the call marks it again
+                # Within the headroom one at a time (the policy looks at what runs); else
+                # as many as there is room for, in one call.
+                most = 1 if light else min(room, TAKE_MOST)
                 try:
-                    got = await spine.start_next(self.jobs, shard, model, self.consumer, light_only=light)
+                    got = await spine.start_next(self.jobs, shard, model, self.consumer, most=most, light_only=light)
                 except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): the others go on
                     log.warning("taking %s work from %s failed: %s", model, shard.prefix, type(exc).__name__)
                     continue
-                if isinstance(got, Job):
+                if isinstance(got, list):
                     self.plan.mark(shard.index, model)  # there may be more
-                    self._spawn(got)
-                    started += 1
+                    for job in got:
+                        self._spawn(job)
+                    started += len(got)
                 elif got == "held":
                     self.plan.mark(shard.index, model)  # work waits there: ask again when a slot frees
                     break  # only heavy tenants wait: keep the headroom until then

@@ -437,6 +437,14 @@ class JobStore:
         """Start the next request of `model` in the shard for this consumer: the Job (its
         `run` the new run's token), or "empty" (nothing waits) or "held" (only tenants
         outside the headroom wait)."""
+        taken = await self.take_many(shard, model, consumer, light_only=light_only)
+        return taken if isinstance(taken, str) else taken[0]
+
+    async def take_many(
+        self, shard: Shard, model: str, consumer: str, *, most: int = 1, light_only: bool = False
+    ) -> list[Job] | str:
+        """Start up to `most` requests of `model` in the shard for this consumer, in the
+        fair order, in one call: their Jobs (at least one), or "empty" or "held" (take)."""
         reply = await self._take(
             keys=[*scripts.shard_keys(shard), *scripts.model_keys(shard, model), shard.take(consumer)],
             args=[
@@ -448,12 +456,16 @@ class JobStore:
                 secrets.token_hex(8),
                 "1" if light_only else "0",
                 TAKE_TOKEN_TTL_S,
+                max(1, most),
             ],
         )
         if reply[0] != "run":
             return str(reply[0])
-        fields = reply[2]
-        return Job.from_hash(str(reply[1]), dict(zip(fields[::2], fields[1::2], strict=True)), reply[3])
+        runs = reply[1:]
+        return [
+            Job.from_hash(str(rid), dict(zip(fields[::2], fields[1::2], strict=True)), ids)
+            for rid, fields, ids in zip(runs[::3], runs[1::3], runs[2::3], strict=True)
+        ]
 
     async def load(self, request_id: str) -> Job | None:
         h = await self.redis.hgetall(shard_of(request_id).request(request_id))

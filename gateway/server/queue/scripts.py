@@ -333,31 +333,41 @@ SUBMIT_HEAD = (9, 1)
 SUBMIT_MOST = 64
 
 # KEYS: shard_keys, model_keys (14), then the consumer's last take (take:<consumer>).
-# ARGV: prefix, model, consumer, now, lease end (ms), take token (random: the started run's
-#   token too, its fence), light only ('1': only a tenant that runs nothing of this model
-#   now, the headroom kept for light tenants), token ttl (s)
-# Returns {'run', id, request hash, token ids}, {'empty'} or {'held'} (work waits, but only
-# for tenants that are not light: the headroom is kept). The request it starts, and the
-# picked tenant's queue and blocked set, are found as it runs: their keys are built here.
+# ARGV: prefix, model, consumer, now, lease end (ms), take token (random: the first started
+#   run's token too, its fence; the n-th run's is the token and '.n'), light only ('1': only
+#   a tenant that runs nothing of this model now, the headroom kept for light tenants),
+#   token ttl (s), how many to start at most (the caller's free slots)
+# Returns {'run', then per run started: id, request hash, token ids}, or {'empty'} or
+# {'held'} (work waits, but only for tenants that are not light: the headroom is kept). Each
+# run is the fair order's next, as if taken by a call of its own: the counters a start
+# changes are read again for the next. The requests it starts, and the picked tenants'
+# queues and blocked sets, are found as it runs: their keys are built here.
 TAKE = (
     _SHARD
     + _MODEL
     + """
 local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
+local most = math.max(1, tonumber(ARGV[9]) or 1)
 local TAKEN = KEYS[15]
-local last = redis.call('GET', TAKEN)
-if last then
-  local rid, tok = string.match(last, '^(%S+) (%S+)$')
-  if tok == token then  -- this very call, replayed after a lost reply: the same answer
-    local req = P .. 'req:' .. rid
-    local h = redis.call('HMGET', req, 'state', 'owner')
-    if h[1] == 'running' and h[2] == consumer then
-      return {'run', rid, redis.call('HGETALL', req), redis.call('GET', P .. 'tokens:' .. rid) or ''}
-    end
-    return {'empty'}
-  end
+local function answer(out, rid)
+  local req = P .. 'req:' .. rid
+  out[#out + 1] = rid
+  out[#out + 1] = redis.call('HGETALL', req)
+  -- Token ids are kept only for pieces emitted (EMIT): none emitted, none to read.
+  out[#out + 1] = redis.call('GET', P .. 'tokens:' .. rid) or ''
 end
-local function start(rid, restarted)
+-- The last call's token, then the id and run token of each run it started.
+local last = redis.call('GET', TAKEN)
+if last and string.match(last, '^(%S+)') == token then  -- this very call, replayed after a lost reply
+  local out = {'run'}
+  for rid, run in string.gmatch(string.sub(last, #token + 2), '(%S+) (%S+)') do
+    local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner', 'run')
+    if h[1] == 'running' and h[2] == consumer and h[3] == run then answer(out, rid) end
+  end
+  return #out > 1 and out or {'empty'}
+end
+local taken = {token}
+local function start(rid, restarted, run)
   local req = P .. 'req:' .. rid
   local h = redis.call('HMGET', req, 'tenant', 'band', 'size', 'emitted', 'attempts')
   if not restarted then
@@ -373,62 +383,71 @@ local function start(rid, restarted)
     redis.call('HINCRBY', STARTED, model, 1)
   end
   local attempt = num(h[5]) + 1
-  redis.call('HSET', req, 'state', 'running', 'attempts', attempt, 'started_at', now, 'owner', consumer, 'run', token)
+  redis.call('HSET', req, 'state', 'running', 'attempts', attempt, 'started_at', now, 'owner', consumer, 'run', run)
   redis.call('ZADD', LEASES, ARGV[5], rid)
   redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
     cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
-  redis.call('SET', TAKEN, rid .. ' ' .. token, 'EX', ARGV[8])
-  -- Token ids are kept only for pieces emitted (EMIT): none emitted, none to read.
-  local ids = num(h[4]) > 0 and redis.call('GET', P .. 'tokens:' .. rid) or ''
-  return {'run', rid, redis.call('HGETALL', req), ids}
-end
--- Requests whose dispatcher died (or handed them over) first: they were running.
-for i = 1, 32 do
-  local rid = redis.call('LPOP', RECLAIMED)
-  if not rid then break end
-  decr(BACKLOG, 'r:' .. model, 1)
-  local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner')
-  if h[1] == 'running' and not h[2] then return start(rid, true) end
+  taken[#taken + 1] = rid .. ' ' .. run
 end
 local light = ARGV[7] == '1'
-local held = false
-for _, band in ipairs({'high', 'normal', 'low', 'batch'}) do
-  local mb = model .. ':' .. band
-  local ready = READY[band]
-  for i = 1, 64 do
-    local heads = redis.call('ZRANGE', ready, 0, light and 7 or 0, 'WITHSCORES')
-    if #heads == 0 then break end
-    local head_score = tonumber(heads[2])
-    local tenant, score = nil, nil
-    for j = 1, #heads, 2 do
-      local t = heads[j]
-      if at_limit(t) then
-        redis.call('ZREM', ready, t)
-        redis.call('SADD', P .. 'blocked:' .. t, mb)
-      elseif not light or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. t)) == 0 then
-        tenant, score = t, tonumber(heads[j + 1])
-        break
+-- The next request to start: (id, restarted), or nil and whether work is held back.
+local function next_request()
+  -- Requests whose dispatcher died (or handed them over) first: they were running.
+  for i = 1, 32 do
+    local rid = redis.call('LPOP', RECLAIMED)
+    if not rid then break end
+    decr(BACKLOG, 'r:' .. model, 1)
+    local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner')
+    if h[1] == 'running' and not h[2] then return rid, true end
+  end
+  for _, band in ipairs({'high', 'normal', 'low', 'batch'}) do
+    local mb = model .. ':' .. band
+    local ready = READY[band]
+    for i = 1, 64 do
+      local heads = redis.call('ZRANGE', ready, 0, light and 7 or 0, 'WITHSCORES')
+      if #heads == 0 then break end
+      local head_score = tonumber(heads[2])
+      local tenant, score = nil, nil
+      for j = 1, #heads, 2 do
+        local t = heads[j]
+        if at_limit(t) then
+          redis.call('ZREM', ready, t)
+          redis.call('SADD', P .. 'blocked:' .. t, mb)
+        elseif not light or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. t)) == 0 then
+          tenant, score = t, tonumber(heads[j + 1])
+          break
+        end
       end
-    end
-    if not tenant then
-      if light and redis.call('ZCARD', ready) > 0 then held = true break end
-    else
-      local q = P .. 'q:' .. mb .. ':' .. tenant
-      local rid = redis.call('LPOP', q)
-      if redis.call('LLEN', q) == 0 then
-        redis.call('ZREM', ready, tenant)
+      if not tenant then
+        if light and redis.call('ZCARD', ready) > 0 then return nil, true end
       else
-        local weight = conf(tenant)
-        redis.call('ZADD', ready, score + 1 / weight, tenant)
+        local q = P .. 'q:' .. mb .. ':' .. tenant
+        local rid = redis.call('LPOP', q)
+        if redis.call('LLEN', q) == 0 then
+          redis.call('ZREM', ready, tenant)
+        else
+          local weight = conf(tenant)
+          redis.call('ZADD', ready, score + 1 / weight, tenant)
+        end
+        if head_score > vnow(mb) then redis.call('HSET', VCLOCK, mb, head_score) end
+        if rid and redis.call('HGET', P .. 'req:' .. rid, 'state') == 'queued' then return rid, false end
       end
-      if head_score > vnow(mb) then redis.call('HSET', VCLOCK, mb, head_score) end
-      if rid and redis.call('HGET', P .. 'req:' .. rid, 'state') == 'queued' then return start(rid, false) end
     end
   end
-  if held then break end
+  return nil, false
 end
-if held then return {'held'} end
-return {'empty'}
+local out, held = {'run'}, false
+for n = 1, most do
+  local rid, restarted = next_request()
+  if not rid then held = restarted break end
+  start(rid, restarted, n == 1 and token or token .. '.' .. n)
+  answer(out, rid)
+end
+if #out > 1 then
+  redis.call('SET', TAKEN, table.concat(taken, ' '), 'EX', ARGV[8])
+  return out
+end
+return {held and 'held' or 'empty'}
 """
 )
 
