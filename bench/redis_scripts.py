@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
-from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from bench.stack import lone_redis
 from gateway.common.redis import GroupCommit, RedisClients
 from gateway.protocol import State, new_request_id
 from gateway.server.queue.jobs import Admission, JobStore, NewRequest
-from gateway.stack.process import ManagedProcess, free_port
-from gateway.stack.services import redis_spec
 
 OPEN = Admission(max_backlog=100_000, max_batch_backlog=100_000, max_bytes=10**10, reserve=4)
 TEXT = "a photo of a cat sitting on a mat"
@@ -113,17 +110,9 @@ def main() -> None:
         "| EVALSHA µs a request | of which its commands | of which the rest | requests/s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    with tempfile.TemporaryDirectory() as data_dir:
-        port = free_port()
-        server = ManagedProcess(redis_spec(data_dir=Path(data_dir), host="127.0.0.1", port=port, name="redis"))
-        server.start()
-        try:
-            server.wait_ready(time.monotonic() + 30)
-            for group in (int(g) for g in args.groups.split(",")):
-                url = f"redis://127.0.0.1:{port}/0"
-                lines.append(asyncio.run(measure(url, group, args.requests, args.tenants)))
-        finally:
-            server.stop()
+    with lone_redis() as url:
+        for group in (int(g) for g in args.groups.split(",")):
+            lines.append(asyncio.run(measure(url, group, args.requests, args.tenants)))
     print("\n".join(lines))
 
 

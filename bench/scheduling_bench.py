@@ -22,18 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from bench.stack import lone_redis
 from gateway.protocol import new_request_id
 from gateway.protocol.redis_keys import Shard
 from gateway.server.dispatch.scheduler import Headroom
 from gateway.server.queue.jobs import Job, JobStore
-from gateway.stack.process import ManagedProcess, free_port
-from gateway.stack.services import redis_spec
 
 SHARD = Shard(0)
 MODEL = "llm"
@@ -119,15 +116,8 @@ def main() -> None:
     parser.add_argument("--per-tenant", type=int, default=2)
     parser.add_argument("--decisions", type=int, default=500)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as data:
-        port = free_port()
-        redis = ManagedProcess(redis_spec(data_dir=Path(data), host="127.0.0.1", port=port, name="bench-redis"))
-        redis.start()
-        try:
-            redis.wait_ready(time.monotonic() + 30)
-            asyncio.run(run(args, f"redis://127.0.0.1:{port}/0"))
-        finally:
-            redis.stop()
+    with lone_redis() as url:
+        asyncio.run(run(args, url))
 
 
 if __name__ == "__main__":
