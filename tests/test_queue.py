@@ -364,6 +364,19 @@ async def test_a_replayed_take_starts_nothing_more(store: JobStore, monkeypatch:
     assert waiting is not None and waiting.state == State.QUEUED
 
 
+async def test_a_run_taken_again_gets_the_token_ids_of_the_pieces_sent_before(store: JobStore) -> None:
+    await queue(store, "t", 2)
+    first = await store.take(SHARD, "m", "a")
+    assert isinstance(first, Job)
+    assert (await store.emit(first.request_id, first.run, 0, "ab", 2, [11, 12])).outcome == "ok"
+    await store.redis.zadd(SHARD.leases, {first.request_id: 0})  # a's lease ran out
+    assert await store.reclaim(SHARD) == 1
+    taken = await store.take_many(SHARD, "m", "b", most=4)
+    assert isinstance(taken, list) and [job.emitted for job in taken] == [2, 0]
+    assert taken[0].request_id == first.request_id and taken[0].emitted_ids == [11, 12]
+    assert taken[1].emitted_ids == []
+
+
 async def test_a_replayed_take_of_several_starts_nothing_more(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
     _, ids = await queue(store, "t", 3)
     monkeypatch.setattr(jobs, "secrets", SimpleNamespace(token_hex=lambda nbytes: "lost-reply"))

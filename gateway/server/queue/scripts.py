@@ -349,20 +349,19 @@ TAKE = (
 local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local most = math.max(1, tonumber(ARGV[9]) or 1)
 local TAKEN = KEYS[15]
-local function answer(out, rid)
-  local req = P .. 'req:' .. rid
+local function answer(out, rid, emitted)
   out[#out + 1] = rid
-  out[#out + 1] = redis.call('HGETALL', req)
+  out[#out + 1] = redis.call('HGETALL', P .. 'req:' .. rid)
   -- Token ids are kept only for pieces emitted (EMIT): none emitted, none to read.
-  out[#out + 1] = redis.call('GET', P .. 'tokens:' .. rid) or ''
+  out[#out + 1] = num(emitted) > 0 and (redis.call('GET', P .. 'tokens:' .. rid) or '') or ''
 end
 -- The last call's token, then the id and run token of each run it started.
 local last = redis.call('GET', TAKEN)
 if last and string.match(last, '^(%S+)') == token then  -- this very call, replayed after a lost reply
   local out = {'run'}
   for rid, run in string.gmatch(string.sub(last, #token + 2), '(%S+) (%S+)') do
-    local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner', 'run')
-    if h[1] == 'running' and h[2] == consumer and h[3] == run then answer(out, rid) end
+    local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner', 'run', 'emitted')
+    if h[1] == 'running' and h[2] == consumer and h[3] == run then answer(out, rid, h[4]) end
   end
   return #out > 1 and out or {'empty'}
 end
@@ -388,6 +387,7 @@ local function start(rid, restarted, run)
   redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
     cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
   taken[#taken + 1] = rid .. ' ' .. run
+  return h[4]  -- pieces emitted by earlier runs
 end
 local light = ARGV[7] == '1'
 -- The next request to start: (id, restarted), or nil and whether work is held back.
@@ -440,8 +440,7 @@ local out, held = {'run'}, false
 for n = 1, most do
   local rid, restarted = next_request()
   if not rid then held = restarted break end
-  start(rid, restarted, n == 1 and token or token .. '.' .. n)
-  answer(out, rid)
+  answer(out, rid, start(rid, restarted, n == 1 and token or token .. '.' .. n))
 end
 if #out > 1 then
   redis.call('SET', TAKEN, table.concat(taken, ' '), 'EX', ARGV[8])
