@@ -144,8 +144,7 @@ FOUND_AS_THEY_RUN = sorted(
     [
         "LLEN P .. 'q:' .. mb .. ':' .. tenant",  # unblock
         "ZADD P .. 'ready:' .. mb",  # unblock
-        "GET P .. 'tokens:' .. rid",  # TAKE, replayed
-        "GET P .. 'tokens:' .. rid",  # TAKE
+        "GET P .. 'tokens:' .. rid",  # TAKE (and its replay)
         "XADD P .. 'events:' .. rid",  # TAKE
         "HMGET P .. 'req:' .. rid",  # TAKE, a reclaimed request
         "SADD P .. 'blocked:' .. t",  # TAKE, a tenant at its limit

@@ -245,11 +245,12 @@ class Dispatcher:
                 shard = self.plan.next(model)
                 if shard is None:
                     break
-                light = room <= self.headroom.reserve(model, self._slots(model))
+                reserve = self.headroom.reserve(model, self._slots(model))
+                light = room <= reserve
                 self.plan.clear(shard.index, model)  # a wake during the call marks it again
-                # Within the headroom one at a time (the policy looks at what runs); else
-                # as many as there is room for, in one call.
-                most = 1 if light else min(room, TAKE_MOST)
+                # Within the headroom one at a time (the policy looks at what runs); above
+                # it as many as there is room for above it, in one call.
+                most = 1 if light else min(room - reserve, TAKE_MOST)
                 try:
                     got = await spine.start_next(self.jobs, shard, model, self.consumer, most=most, light_only=light)
                 except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): the others go on

@@ -350,8 +350,9 @@ local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local most = math.max(1, tonumber(ARGV[9]) or 1)
 local TAKEN = KEYS[15]
 local function answer(out, rid, emitted)
+  local req = P .. 'req:' .. rid
   out[#out + 1] = rid
-  out[#out + 1] = redis.call('HGETALL', P .. 'req:' .. rid)
+  out[#out + 1] = redis.call('HGETALL', req)
   -- Token ids are kept only for pieces emitted (EMIT): none emitted, none to read.
   out[#out + 1] = num(emitted) > 0 and (redis.call('GET', P .. 'tokens:' .. rid) or '') or ''
 end
@@ -360,7 +361,8 @@ local last = redis.call('GET', TAKEN)
 if last and string.match(last, '^(%S+)') == token then  -- this very call, replayed after a lost reply
   local out = {'run'}
   for rid, run in string.gmatch(string.sub(last, #token + 2), '(%S+) (%S+)') do
-    local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner', 'run', 'emitted')
+    local req = P .. 'req:' .. rid
+    local h = redis.call('HMGET', req, 'state', 'owner', 'run', 'emitted')
     if h[1] == 'running' and h[2] == consumer and h[3] == run then answer(out, rid, h[4]) end
   end
   return #out > 1 and out or {'empty'}
