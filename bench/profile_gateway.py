@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--raw", type=Path, default=Path("/tmp/gateway-profile.txt"))
     parser.add_argument("--functions", type=int, default=0, help="also the top N functions, per request")
     parser.add_argument("--summarize", type=Path, help="a raw file recorded before: only summarize it")
+    parser.add_argument("--native", action="store_true", help="record C frames too (py-spy pauses the process)")
     args = parser.parse_args()
     if args.summarize:
         print(summarize(args.summarize))
@@ -131,7 +132,8 @@ def main() -> None:
                 time.sleep(0.5)
             if not args.relay:
                 time.sleep(WARM_UP_S + slice_s + 1)  # past the warm-up and the direct slice
-            spy = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "--nonblocking"]
+            spy = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid)]
+            spy += ["--native"] if args.native else ["--nonblocking"]
             spy += ["-d", f"{args.seconds:g}", "-r", str(SAMPLE_RATE), "-f", "raw", "-o", str(args.raw)]
             subprocess.run(spy, check=not args.relay, capture_output=True)  # the relay may end first
         finally:

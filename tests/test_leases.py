@@ -6,9 +6,11 @@ connection, sweeping (RECLAIM) and taking (TAKE) as any gateway does."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -55,9 +57,11 @@ class Runner:
     def __init__(self) -> None:
         self.runs: list[tuple[str, int]] = []
         self.busy: Callable[[], bool] | None = None
+        self.controls: list[weakref.ref[Any]] = []  # each run's RunControl, not kept alive
 
     async def run(self, job: Job, control: Any, prepared: Any = None) -> Any:
         self.runs.append((job.request_id, job.attempts))
+        self.controls.append(weakref.ref(control))
         deadline = time.monotonic() + 60
         while self.busy is not None and self.busy() and time.monotonic() < deadline:
             time.sleep(0.01)  # on the loop's thread: the loop is blocked
@@ -218,3 +222,23 @@ async def test_a_request_whose_runs_died_max_deliveries_times_fails(gateway: tup
     record = await jobs.final_record(request_id)
     assert ended.state == State.FAILED and record is not None and "too_many_attempts" in record
     assert runner.runs == []
+
+
+async def test_a_finished_run_is_freed_at_once_not_by_the_garbage_collector(gateway: tuple[Dispatcher, Runner]) -> None:
+    """A run's objects (its control, the dispatcher's record of it, its task) go when it
+    ends. Held in a reference cycle, each run would wait for the next collection: at load,
+    tens of objects a request for the collector to walk (app.py freezes what lives long)."""
+    dispatcher, runner = gateway
+    request_id = await _submit(dispatcher.jobs, dispatcher.consumer)
+    job = await dispatcher.jobs.load(request_id)
+    assert job is not None
+    gc.collect()
+    gc.disable()  # only reference counting frees anything now
+    try:
+        dispatcher.adopt(job)
+        await _gone(dispatcher, request_id)
+        assert (await _ended(dispatcher.jobs, request_id)).state == State.SUCCEEDED
+        await asyncio.sleep(0)  # the run's task is released once its done callbacks ran
+        assert runner.controls and runner.controls[-1]() is None, "the run's control outlived the run"
+    finally:
+        gc.enable()

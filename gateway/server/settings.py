@@ -143,6 +143,10 @@ class GatewaySettings(ServiceSettings):
     token_window_ms: float = Field(default=10.0, ge=0)
     # How long a draining gateway lets running requests finish before handing them over.
     drain_s: float = Field(default=10.0, ge=0)
+    # Once started, the process's objects leave the garbage collector's view and its youngest
+    # generation is collected after this many new objects (Python's default: 700); 0 leaves
+    # the collector as Python sets it (app.py keep_collector_off_the_hot_path).
+    gc_young_threshold: int = Field(default=10_000, ge=0)
 
     @model_validator(mode="after")
     def _tenant_names_are_not_public(self) -> Self:

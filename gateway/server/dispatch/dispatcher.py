@@ -367,6 +367,8 @@ class Dispatcher:
             except Exception:
                 log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
             finally:
+                if running.control is not None:
+                    running.control.release()
                 self.leases.discard(request_id, job.run)
                 self.running.pop(request_id, None)
                 self._acquired(running)

@@ -65,6 +65,13 @@ class RunControl:
         if abort is not None:
             abort()
 
+    def release(self) -> None:
+        """The run has ended: drop the callbacks, which hold their owners (the emitter's
+        holds this control), so that a run's objects go when the run does, not when the
+        garbage collector finds the cycle."""
+        self.on_acquired = self.abort = None
+        self.emitter = None
+
 
 class Runner:
     def __init__(
