@@ -238,7 +238,7 @@ async def test_a_finished_run_is_freed_at_once_not_by_the_garbage_collector(gate
         dispatcher.adopt(job)
         await _gone(dispatcher, request_id)
         assert (await _ended(dispatcher.jobs, request_id)).state == State.SUCCEEDED
-        await asyncio.sleep(0)  # the run's task is released once its done callbacks ran
+        await asyncio.sleep(0)  # a turn for the run's task to end, had it not yet
         assert runner.controls and runner.controls[-1]() is None, "the run's control outlived the run"
     finally:
         gc.enable()
