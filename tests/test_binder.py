@@ -361,6 +361,8 @@ async def test_a_result_that_cannot_be_stored_leaves_its_live_state_to_expire(st
         await _until(lambda: _dead_letters(redis, 1), timeout=30)
         await _until(lambda: _stored(mongo, isolated["MONGO_DB"], normal.request_id), timeout=30)
         for key in (shard.request(unstorable.request_id), shard.events(unstorable.request_id)):
+            # The expiry is given after the dead letter is written (StreamConsumer.on_dead_letter).
+            await _until(lambda key=key: _has_ttl(redis, key), timeout=10)
             assert 30 < await redis.ttl(key) <= 600  # LIVE_STATE_TTL_S: time to replay it
         await _until(lambda: _has_ttl(redis, shard.request(normal.request_id)), timeout=10)
         for key in (shard.request(normal.request_id), shard.events(normal.request_id)):
