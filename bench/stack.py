@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.stack.process import ManagedProcess, free_port
-from gateway.stack.services import redis_spec
+from gateway.stack import services
+from gateway.stack.process import free_port
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack
 
@@ -71,12 +70,5 @@ def local_stack(
 def lone_redis(name: str = "bench-redis") -> Iterator[str]:
     """A redis-server of its own (the stack's settings) in a temporary directory: its URL
     while the block runs, then stopped by its pid."""
-    with tempfile.TemporaryDirectory() as data:
-        port = free_port()
-        server = ManagedProcess(redis_spec(data_dir=Path(data), host="127.0.0.1", port=port, name=name))
-        server.start()
-        try:
-            server.wait_ready(time.monotonic() + 30)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            server.stop()
+    with tempfile.TemporaryDirectory() as data, services.lone_redis(Path(data), name) as url:
+        yield url

@@ -22,9 +22,10 @@ import redis.asyncio as aioredis
 import tritonclient.grpc.aio as triton_aio
 from pymongo import AsyncMongoClient
 
+from gateway.stack import services
 from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes, remove_shm, shm_regions
 from gateway.stack.process import ManagedProcess, free_port, stop_processes
-from gateway.stack.services import binder_spec, gateway_spec, redis_spec
+from gateway.stack.services import binder_spec, gateway_spec
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack
 from gateway.stack.weights import build_tiny_clip, build_tiny_gpt2
@@ -201,14 +202,8 @@ class Stack:
 def lone_redis(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[str]:
     """A redis-server of its own, without the stack (tests of the script layer): its URL
     while the block runs, then stopped by its pid."""
-    port = free_port()
-    process = ManagedProcess(redis_spec(data_dir=tmp_path_factory.mktemp(name), host="127.0.0.1", port=port, name=name))
-    process.start()
-    try:
-        process.wait_ready(time.monotonic() + 30)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.stop()
+    with services.lone_redis(tmp_path_factory.mktemp(name), name) as url:
+        yield url
 
 
 def kill_by_pid(process: ManagedProcess) -> None:

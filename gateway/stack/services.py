@@ -3,12 +3,23 @@ server, and our own gateway and binder processes."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
+import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
-from gateway.stack.process import STOP_BINDER, STOP_GATEWAYS, LaunchError, ServiceSpec, make_private_dir
+from gateway.stack.process import (
+    STOP_BINDER,
+    STOP_GATEWAYS,
+    LaunchError,
+    ManagedProcess,
+    ServiceSpec,
+    free_port,
+    make_private_dir,
+)
 
 
 def redis_server_bin() -> str:
@@ -73,6 +84,20 @@ def redis_spec(*, data_dir: Path, host: str, port: int, name: str = "redis", max
         ready=lambda: _redis_ping(host, port),
         url=f"redis://{host}:{port}/0",
     )
+
+
+@contextlib.contextmanager
+def lone_redis(data_dir: Path, name: str = "redis") -> Iterator[str]:
+    """A redis-server of its own with the stack's settings, without the stack (benchmarks
+    and tests of the script layer): its URL while the block runs, then stopped by its pid."""
+    port = free_port()
+    server = ManagedProcess(redis_spec(data_dir=data_dir, host="127.0.0.1", port=port, name=name))
+    server.start()
+    try:
+        server.wait_ready(time.monotonic() + 30)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.stop()
 
 
 def redis_cluster_node_spec(
