@@ -7,7 +7,8 @@ Redis's CPU a request (INFO cpu), its commands a request (INFO commandstats, whi
 the commands run inside the scripts), and the microseconds EVALSHA took a request, split
 into the commands the scripts ran and the rest (Lua, argument passing, replies); and the
 CPU this process spent a request on its side of the cycle (JobStore, the group commit,
-redis-py), with the gateway's own client (gateway.common.redis.connect).
+redis-py), with the gateway's own client (gateway.common.redis.connect) and event loop
+(uvloop).
 
 The closed loop of bench.gateway_bench measures the same scripts with the binder's own
 calls added and Redis sharing the machine's cores with everything else; this says what
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+
+import uvloop
 
 from bench.stack import lone_redis
 from gateway.common.redis import GroupCommit, RedisClients, connect
@@ -124,7 +127,7 @@ def main() -> None:
     ]
     with lone_redis() as url:
         for group in (int(g) for g in args.groups.split(",")):
-            lines.append(asyncio.run(measure(url, group, args.requests, args.tenants)))
+            lines.append(uvloop.run(measure(url, group, args.requests, args.tenants)))  # the gateway's loop
     print("\n".join(lines))
 
 
