@@ -51,9 +51,9 @@ IGNORED = {"info", "config|resetstat", "config"}
 async def cycle(store: JobStore, tenant: str) -> None:
     """One request: SUBMIT (started at once in this process), then FINISH."""
     now = time.time()
-    request_id = new_request_id(now)
+    new = NewRequest(new_request_id(now), PAYLOAD, now, now + 60)
     submitted = await store.submit(
-        [NewRequest(request_id, PAYLOAD, now, now + 60)],
+        [new],
         model="clip_text",
         tenant=tenant,
         band="normal",
@@ -62,21 +62,7 @@ async def cycle(store: JobStore, tenant: str) -> None:
     )
     if submitted.outcome != "started":
         raise RuntimeError(f"SUBMIT answered {submitted.outcome}, not started")
-    job = Job(  # as spine.accept builds the run it starts at once (no read)
-        request_id=request_id,
-        model="clip_text",
-        tenant=tenant,
-        state=State.RUNNING,
-        payload=PAYLOAD,
-        created_at=now,
-        deadline=now + 60,
-        started_at=time.time(),
-        attempts=1,
-        emitted=0,
-        cancel_requested=False,
-        stored=False,
-        run=submitted.run,
-    )
+    job = Job.started_at_once(new, model="clip_text", tenant=tenant, band="normal", run=submitted.run)
     await store.finish(job.record(State.SUCCEEDED), run=job.run)
 
 

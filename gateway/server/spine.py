@@ -176,23 +176,7 @@ async def accept(
     bind_request_ids(trace_id=trace_id, request_id=ids[0])  # for the call's access line
     parts.metrics.count_accepted(model, len(ids))
     if submitted.outcome == "started":
-        first = new[0]
-        job = Job(
-            request_id=first.request_id,
-            model=model,
-            tenant=who.tenant,
-            state=State.RUNNING,
-            payload=first.payload,
-            created_at=first.created_at,
-            deadline=first.deadline,
-            started_at=time.time(),
-            attempts=1,
-            emitted=0,
-            cancel_requested=False,
-            stored=False,
-            band=band,
-            run=submitted.run,
-        )
+        job = Job.started_at_once(new[0], model=model, tenant=who.tenant, band=band, run=submitted.run)
         parts.starts.adopt(job, prepared[0])  # validated once: the run does not do it again
     else:
         parts.starts.notice(shard, model)

@@ -166,6 +166,27 @@ class Job:
         return self.attempts - self.handovers
 
     @classmethod
+    def started_at_once(cls, new: NewRequest, *, model: str, tenant: str, band: str, run: str) -> Job:
+        """The job of a request SUBMIT started at once (its first attempt, running now
+        under `run`), as SUBMIT wrote it: no read needed."""
+        return cls(
+            request_id=new.request_id,
+            model=model,
+            tenant=tenant,
+            state=State.RUNNING,
+            payload=new.payload,
+            created_at=new.created_at,
+            deadline=new.deadline,
+            started_at=time.time(),
+            attempts=1,
+            emitted=0,
+            cancel_requested=False,
+            stored=False,
+            band=band,
+            run=run,
+        )
+
+    @classmethod
     def from_hash(cls, request_id: str, h: dict[str, str], tokens: str = "") -> Job:
         return cls(
             request_id=request_id,
