@@ -22,6 +22,11 @@ from starlette.types import Receive, Scope, Send
 
 SEP = "\n"
 _LINES = re.compile(r"\r\n|\r|\n")
+# Line ends some clients split on besides CR and LF (Python's str.splitlines, which httpx's
+# aiter_lines uses): a token of U+2028 cut a data line in two there. Every event's data is
+# JSON (or /v1's [DONE]), where these can only be inside strings and their \u escape is
+# the same character; JSON encoders escape the control characters splitlines also takes.
+_OTHER_LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
 def encode(event: ServerSentEvent) -> bytes:
@@ -34,7 +39,7 @@ def encode(event: ServerSentEvent) -> bytes:
     if event.event is not None:
         parts.append(f"event: {_LINES.sub('', event.event)}{SEP}")
     if event.data is not None:
-        data = str(event.data)
+        data = str(event.data).translate(_OTHER_LINE_ENDS)
         if "\n" in data or "\r" in data:
             parts += [f"data: {line}{SEP}" for line in _LINES.split(data)]
         else:
