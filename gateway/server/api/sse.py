@@ -30,7 +30,7 @@ _OTHER_LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x8
 
 
 def encode(event: ServerSentEvent) -> bytes:
-    """The frame of an event, as sse_starlette writes it."""
+    """The frame of an event, as sse_starlette writes it (but for _OTHER_LINE_ENDS)."""
     parts = []
     if event.comment is not None:
         parts += [f": {line}{SEP}" for line in _LINES.split(str(event.comment))]
