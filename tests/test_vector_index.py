@@ -402,8 +402,11 @@ async def test_healthz_keeps_answering_while_a_large_snapshot_is_written(stack, 
         return any(p.name.endswith(".partial") for p in directory.iterdir())
 
     try:
-        await publish(redis, [embedding_record(unit_vectors(1, dim, seed=13)[0].tolist())])  # makes one due
         async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=30) as client:
+            # The client's set-up and first connection before the write can start: the
+            # polls below begin at once, not a set-up's length into a short write.
+            assert (await client.get("/healthz")).status_code == 200
+            await publish(redis, [embedding_record(unit_vectors(1, dim, seed=13)[0].tolist())])  # makes one due
             deadline = time.monotonic() + 30
             while (directory / "CURRENT").read_text() == first:
                 assert time.monotonic() < deadline, "no snapshot was written"
