@@ -133,6 +133,37 @@ async def test_a_prompt_over_the_engine_limit_is_422_prompt_too_long_and_nothing
     assert _accepted(await http.get("/metrics")) == before
 
 
+async def test_a_huge_prompt_is_tokenized_while_the_gateway_serves_other_calls(http) -> None:
+    # A conversation of ~1.3 MB (each message under the 100,000 characters a text may
+    # have), of words the tokenizer has not seen together: a second or so to tokenize.
+    rng = random.Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(200_000)]
+    messages = [{"role": "user", "content": " ".join(words[i : i + 15_000])} for i in range(0, len(words), 15_000)]
+    payload = json.dumps({"model": "llm", "inputs": {"messages": messages}}).encode()
+    sent = asyncio.Event()
+
+    async def body():
+        yield payload
+        sent.set()  # httpx asks for more once the whole body is written
+
+    huge = asyncio.create_task(http.post("/infer", content=body(), headers={"Content-Type": "application/json"}))
+    await sent.wait()
+    # /healthz calls asked and answered while the huge prompt was in the gateway: a
+    # tokenizer holding the event loop (or the interpreter's lock) answers none of them
+    # until it is done. Counted, not timed.
+    answered_meanwhile = 0
+    while not huge.done():
+        assert (await http.get("/healthz")).status_code == 200
+        if not huge.done():
+            answered_meanwhile += 1
+        await asyncio.sleep(0.01)
+    response = await huge
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "prompt_too_long"
+    assert answered_meanwhile >= 10, f"{answered_meanwhile} calls answered while the prompt was tokenized"
+
+
 def _accepted(response: httpx.Response) -> float:
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:

@@ -2,7 +2,8 @@
 lives them, as plain async functions. Read this module first; each stage says where its
 details live.
 
-    1. accept   validate -> answer an idempotent replay (nothing charged) -> charge the
+    1. accept   validate and count the prompt's tokens (long inputs in a worker thread)
+                -> answer an idempotent replay (nothing charged) -> charge the
                 tenant's rate limits -> SUBMIT: queued durably in the tenant's shard, or
                 started at once in this process when it has a free replica slot
     2. start    TAKE: the fair queue's next requests, as many as a process has free slots
@@ -116,7 +117,7 @@ async def accept(
         raise ValueError("one submission is for one model")
     registry, settings = parts.registry, parts.settings
     bodies = [checks.salted(registry, who, body) for body in bodies]
-    prepared = [checks.validate(registry, settings, body) for body in bodies]
+    prepared, prompt_tokens = await checks.prepare(registry, settings, bodies)
     hashes = [checks.body_hash(body) for body in bodies] if idempotency_keys else None
     if idempotency_keys and hashes:
         replay = await replayed(parts.jobs, who.tenant, idempotency_keys, hashes)
@@ -126,7 +127,6 @@ async def accept(
     admission = checks.admission(settings, who, band, len(parts.jobs.shards))
     checks.fits(admission, band, len(bodies))
     bodies = [checks.seeded(registry, body, item) for body, item in zip(bodies, prepared, strict=True)]
-    prompt_tokens = [registry.adapters[model].prompt_tokens(item) for item in prepared]
     if not batch:
         who.headers |= await parts.quotas.admit(who.config, sum(t or 0 for t in prompt_tokens) or 1)
     now = time.time()

