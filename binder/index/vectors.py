@@ -422,7 +422,7 @@ def _dump_in_parts(value: Any, out: Any, part: int = SNAPSHOT_CHUNK) -> None:
             out.write(("," if i else "") + json.dumps(key) + ":")
             _dump_in_parts(item, out, part)
         out.write("}")
-    elif isinstance(value, list) and any(isinstance(item, dict | list) for item in value):
+    elif isinstance(value, list) and value and isinstance(value[0], dict | list):  # the meta's lists are of one kind
         out.write("[")
         for i, item in enumerate(value):
             out.write("," if i else "")
