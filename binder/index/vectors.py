@@ -412,10 +412,11 @@ class VectorIndex:
 
 
 def _dump_in_parts(value: Any, out: Any, part: int = SNAPSHOT_CHUNK) -> None:
-    """json.dump(value, out)'s text, each list of plain values encoded `part` items at a
-    time: one json.dumps of a million request ids and expiry times holds the interpreter's
-    lock ~0.2 s (measured), and every thread of the binder waits meanwhile (its /search
-    and /healthz answers too); between two parts the others run."""
+    """The JSON of value, as json.dump(value, out) writes it but for spacing, each list of
+    plain values encoded `part` items at a time: one json.dumps of a million request ids
+    and expiry times holds the interpreter's lock ~0.2 s (measured), and every thread of
+    the binder waits meanwhile (its /search and /healthz answers too); between two parts
+    the others run."""
     if isinstance(value, dict):
         out.write("{")
         for i, (key, item) in enumerate(value.items()):
