@@ -713,31 +713,66 @@ async def run(
     http = Gateways(gateway_urls, api_key)
     args.inputs = model_inputs(args)
     calls = make_calls(triton, http, args.model, args.inputs)
-    if {"open", "closed"} & set(args.sections):
-        for call in calls.values():  # warm up every path
-            await closed_loop(call, 8, 2, lambda: 0.0)
-    processes = f", {http.cpu.count} gateway processes" if http.cpu is not None else ""
-    report: list[str] = [f"Gateways {', '.join(gateway_urls)}{processes}; Triton {triton_url}.", ""]
-    printed = 0
-    for section in args.sections:
-        if section == "open":
-            report += await section_open(args, calls, http)
-        elif section == "closed":
-            report += await section_closed(args, calls, http)
-        elif section == "ttft":
-            report += await section_ttft(args, triton, http)
-        elif section == "v1":
-            report += await section_v1(args, http)
-        elif section == "relay":
-            report += await section_relay(args, triton, http)
-        elif section == "llm":
-            report += await section_llm(args, triton, http)
-        report.append("")
-        print("\n".join(report[printed:]), flush=True)  # each section as it ends: partial results survive
-        printed = len(report)
+    limits_before = None
+    if args.tenant_limits:
+        rpm, tpm = args.tenant_limits
+        limits = {"requests_per_minute": rpm, "tokens_per_minute": tpm}
+        limits_before = await set_tenant_limits(http, limits, {"model": args.model, "inputs": args.inputs})
+    try:
+        if {"open", "closed"} & set(args.sections):
+            for call in calls.values():  # warm up every path
+                await closed_loop(call, 8, 2, lambda: 0.0)
+        processes = f", {http.cpu.count} gateway processes" if http.cpu is not None else ""
+        report: list[str] = [f"Gateways {', '.join(gateway_urls)}{processes}; Triton {triton_url}.", ""]
+        printed = 0
+        for section in args.sections:
+            if section == "open":
+                report += await section_open(args, calls, http)
+            elif section == "closed":
+                report += await section_closed(args, calls, http)
+            elif section == "ttft":
+                report += await section_ttft(args, triton, http)
+            elif section == "v1":
+                report += await section_v1(args, http)
+            elif section == "relay":
+                report += await section_relay(args, triton, http)
+            elif section == "llm":
+                report += await section_llm(args, triton, http)
+            report.append("")
+            print("\n".join(report[printed:]), flush=True)  # each section as it ends: partial results survive
+            printed = len(report)
+    finally:
+        if limits_before is not None:
+            await set_tenant_limits(http, limits_before)
     await http.close()
     await triton.close()
     return "\n".join(report)
+
+
+async def set_tenant_limits(
+    http: Gateways, limits: dict[str, int], probe: dict[str, Any] | None = None
+) -> dict[str, int]:
+    """Set the rate limits of the key's tenant (the stack's Redis keeps them: the caller puts
+    back what this returns, the limits before), and with `probe` (a body for POST /infer)
+    wait until a gateway answers as they say (with rate-limit headers or without)."""
+    session = http.next()
+    async with session.get("/usage") as response:
+        tenant = (await response.json())["tenant"]
+    async with session.get(f"/admin/tenants/{tenant}") as response:
+        before = (await response.json())["limits"]
+    async with session.put(f"/admin/tenants/{tenant}", json={"limits": limits}) as response:
+        response.raise_for_status()
+    for _ in range(600 if probe else 0):
+        async with session.post("/infer", json=probe) as response:
+            await response.read()
+            limited = "x-ratelimit-limit-requests" in response.headers or "x-ratelimit-limit-tokens" in response.headers
+            if limited == any(limits.values()):
+                break
+        await asyncio.sleep(0.1)
+    else:
+        if probe:
+            raise RuntimeError(f"the gateway did not apply tenant {tenant}'s limits within a minute")
+    return {name: before[name] for name in limits}
 
 
 def _ints(text: str) -> list[int]:
@@ -768,6 +803,10 @@ def main() -> None:
     parser.add_argument(
         "--redis-commands", action="store_true", help="print which Redis commands a request costs (closed section)"
     )
+    parser.add_argument(
+        "--tenant-limits",
+        help="RPM,TPM: give the key's tenant these rate limits first (set high: counted, nothing refused)",
+    )
     parser.add_argument("--tokenizer-dir", help="the LLM's tokenizer directory (default $LLM_MODEL_DIR)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
@@ -775,6 +814,7 @@ def main() -> None:
     args.sections = [s for s in args.sections.split(",") if s]
     args.ttft_streams = _ints(args.ttft_streams)
     args.llm_streams = _ints(args.llm_streams)
+    args.tenant_limits = _ints(args.tenant_limits) if args.tenant_limits else None
     unknown = set(args.sections) - set(ALL_SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}")

@@ -220,7 +220,9 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             max_queued=settings.tenant_max_queued,
         )
         tenants = TenantStore(mongo, settings.mongo_db, defaults)
-        quotas = Quotas(settings.redis_url, settings.redis_cluster_nodes)
+        quotas = Quotas(
+            settings.redis_url, settings.redis_cluster_nodes, clients.group, timeout_s=settings.redis_timeout_s
+        )
         usage = UsageLedger(redis)
         dispatcher = Dispatcher(
             redis=clients,

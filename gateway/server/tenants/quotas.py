@@ -2,18 +2,28 @@
 requests per minute, counted at admission, and tokens per minute: a request's prompt
 tokens are charged at admission (it is refused if they do not fit the window), its
 completion tokens when they are known (settled at the end). Answers carry OpenAI's
-x-ratelimit-* headers; a refusal is Busy (429 with Retry-After)."""
+x-ratelimit-* headers; a refusal is Busy (429 with Retry-After).
+
+On one Redis the counters' scripts (the library's own) go through the gateway's group
+commit (GroupedStorage): the admissions of a loop turn share one pipeline with the other
+script calls of that turn instead of a connection and round trip each, a hit and the read
+of its window travel together (two round trips for a tenant with both limits, not four),
+and a Redis that stops answering fails them after REDIS_TIMEOUT_S, as it fails the
+gateway's other calls."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
-from limits import RateLimitItemPerMinute
+from limits import RateLimitItem, RateLimitItemPerMinute, WindowStats
 from limits.aio.storage import RedisClusterStorage, RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
+from gateway.common.redis import GroupCommit
 from gateway.server.errors import Busy
 from gateway.server.tenants.config import TenantConfig
 
@@ -23,18 +33,67 @@ def _reset(reset_time: float) -> str:
     return f"{seconds:.3f}s" if seconds < 60 else f"{int(seconds // 60)}m{seconds % 60:.0f}s"
 
 
+class GroupedStorage(RedisStorage):
+    """`limits`' Redis storage whose sliding-window scripts (the library's own, with its
+    keys) are sent through the gateway's group commit instead of its own connection: what
+    the limiter does is unchanged, only how its calls travel."""
+
+    def __init__(self, uri: str, group: GroupCommit, **options: Any) -> None:
+        super().__init__(uri, implementation="redispy", **options)  # (its own client: unused here)
+        self.group = group
+
+    def _windows(self, key: str) -> list[str]:
+        """The previous and current window's keys, as the library names them."""
+        return [
+            self.bridge.prefixed_key(self._previous_window_key(key)),
+            self.bridge.prefixed_key(self._current_window_key(key)),
+        ]
+
+    async def acquire_sliding_window_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+        script = self.bridge.lua_acquire_sliding_window  # type: ignore[attr-defined]
+        return bool(await self.group.call(script, self._windows(key), [limit, expiry, amount]))
+
+    async def get_sliding_window(self, key: str, expiry: int) -> tuple[int, float, int, float]:
+        script = self.bridge.lua_sliding_window  # type: ignore[attr-defined]
+        window = await self.group.call(script, self._windows(key), [expiry])
+        if not window:
+            return 0, 0.0, 0, 0.0
+        # As the library's bridge reads the reply: counts, and TTLs in ms.
+        return (
+            int(window[0] or 0),
+            max(0, float(window[1] or 0)) / 1000,
+            int(window[2] or 0),
+            max(0, float(window[3] or 0)) / 1000,
+        )
+
+
 class Quotas:
-    def __init__(self, redis_url: str, cluster_nodes: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        cluster_nodes: list[str] | None = None,
+        group: GroupCommit | None = None,
+        *,
+        timeout_s: float = 5.0,
+    ) -> None:
         """On a Redis Cluster (cluster_nodes: host:port of any of its nodes) the counters
-        are spread over its slots: `limits` tags both windows of a counter alike."""
+        are spread over its slots: `limits` tags both windows of a counter alike. On one
+        Redis with the group commit (`group`), the counters' calls go through it (and its
+        client's timeouts); otherwise the library's own client fails a call after
+        timeout_s, as the gateway's clients do."""
         storage: RedisStorage
+        timeouts: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 2.0)}
         if cluster_nodes:  # REDIS_URL's credentials, the cluster's nodes
             login = urlsplit(redis_url).netloc.rpartition("@")[0]
             uri = "async+redis+cluster://" + (f"{login}@" if login else "") + ",".join(cluster_nodes)
-            storage = RedisClusterStorage(uri, implementation="redispy")
+            storage = RedisClusterStorage(uri, implementation="redispy", **timeouts)
+        elif group is not None:
+            storage = GroupedStorage(redis_url.replace("redis://", "async+redis://", 1), group, **timeouts)
         else:
-            storage = RedisStorage(redis_url.replace("redis://", "async+redis://", 1), implementation="redispy")
+            uri = redis_url.replace("redis://", "async+redis://", 1)
+            storage = RedisStorage(uri, implementation="redispy", **timeouts)
         self.limiter = SlidingWindowCounterRateLimiter(storage)
+        self.grouped = isinstance(storage, GroupedStorage)
 
     async def admit(self, config: TenantConfig, prompt_tokens: int) -> dict[str, str]:
         """Count one request and charge its prompt tokens; the rate-limit headers, or
@@ -43,8 +102,7 @@ class Quotas:
         headers: dict[str, str] = {}
         if limits.requests_per_minute:
             item = RateLimitItemPerMinute(limits.requests_per_minute)
-            allowed = await self.limiter.hit(item, "rpm", config.tenant)
-            stats = await self.limiter.get_window_stats(item, "rpm", config.tenant)
+            allowed, stats = await self._hit(item, "rpm", config.tenant, 1)
             headers |= {
                 "x-ratelimit-limit-requests": str(limits.requests_per_minute),
                 "x-ratelimit-remaining-requests": str(max(0, stats.remaining)),
@@ -54,8 +112,7 @@ class Quotas:
                 raise self._refusal("rate_limited", "requests per minute", stats.reset_time, headers)
         if limits.tokens_per_minute:
             item = RateLimitItemPerMinute(limits.tokens_per_minute)
-            allowed = await self.limiter.hit(item, "tpm", config.tenant, cost=max(1, prompt_tokens))
-            stats = await self.limiter.get_window_stats(item, "tpm", config.tenant)
+            allowed, stats = await self._hit(item, "tpm", config.tenant, max(1, prompt_tokens))
             headers |= {
                 "x-ratelimit-limit-tokens": str(limits.tokens_per_minute),
                 "x-ratelimit-remaining-tokens": str(max(0, stats.remaining)),
@@ -64,6 +121,18 @@ class Quotas:
             if not allowed:
                 raise self._refusal("token_rate_limited", "tokens per minute", stats.reset_time, headers)
         return headers
+
+    async def _hit(self, item: RateLimitItem, kind: str, tenant: str, cost: int) -> tuple[bool, WindowStats]:
+        """Charge `cost` and read the window after it. On the group commit both go in one
+        pipeline: calls made in one turn are sent in the order they were made (the
+        gathered hit first), so the read sees the hit."""
+        if self.grouped:
+            allowed, stats = await asyncio.gather(
+                self.limiter.hit(item, kind, tenant, cost=cost), self.limiter.get_window_stats(item, kind, tenant)
+            )
+            return allowed, stats
+        allowed = await self.limiter.hit(item, kind, tenant, cost=cost)
+        return allowed, await self.limiter.get_window_stats(item, kind, tenant)
 
     async def used_tokens(self, config: TenantConfig, tokens: int) -> None:
         """Charge the tokens a request used beyond what admission charged (its completion)."""
