@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.common.redis import GroupCommit, connect
-from gateway.server.errors import Busy
+from gateway.server.errors import Busy, InvalidRequest
 from gateway.server.tenants.config import TenantConfig, TenantLimits
 from gateway.server.tenants.quotas import Quotas
 from tests.conftest import lone_redis
@@ -98,6 +98,18 @@ async def test_a_request_refused_by_its_rate_is_not_charged_tokens(redis_url: st
     plain = SlidingWindowCounterRateLimiter(RedisStorage(redis_url.replace("redis://", "async+redis://", 1)))
     tokens = await plain.get_window_stats(RateLimitItemPerMinute(1000), "tpm", "refused-rate")
     assert tokens.remaining == 800
+
+
+async def test_a_prompt_over_the_whole_tokens_per_minute_is_refused_as_invalid_and_counts_nothing(
+    redis_url: str, group_client: Redis
+) -> None:
+    quotas = Quotas(redis_url, group=GroupCommit(group_client))
+    config = tenant("too-large", rpm=10, tpm=100)
+    with pytest.raises(InvalidRequest) as refused:
+        await quotas.admit(config, 101)
+    assert refused.value.code == "prompt_over_token_limit"
+    headers = await quotas.admit(config, 100)  # exactly the limit fits
+    assert headers["x-ratelimit-remaining-requests"] == "9" and headers["x-ratelimit-remaining-tokens"] == "0"
 
 
 async def test_admissions_of_one_turn_are_each_counted_against_a_shared_limit(

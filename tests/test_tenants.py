@@ -566,6 +566,24 @@ async def test_tokens_per_minute_charge_the_prompt_at_admission(stack) -> None:
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "token_rate_limited"
 
 
+async def test_a_prompt_over_the_whole_tokens_per_minute_is_refused_for_good_not_told_to_retry(stack) -> None:
+    # A 429 with Retry-After would have the caller retry a request no wait lets in.
+    await set_tenant(stack, "tenant-tpm-tiny", limits={"tokens_per_minute": 5})
+    key = await new_key(stack, "tenant-tpm-tiny")
+    body = {"model": "llm_echo", "inputs": {"text_input": "tokens " * 60, "max_tokens": 1}}
+    async with client_for(stack, key) as client:
+        refused = await client.post("/infer", json=body)
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["code"] == "prompt_over_token_limit" and "retry-after" not in refused.headers
+    openai_client = openai.AsyncOpenAI(base_url=f"{stack.gateway_url}/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as too_large:
+        await openai_client.chat.completions.create(
+            model="llm_echo", messages=[{"role": "user", "content": "tokens " * 60}], max_tokens=1
+        )
+    assert too_large.value.code == "prompt_over_token_limit"
+    await openai_client.close()
+
+
 async def test_a_batch_does_not_fill_the_interactive_backlog(stack, tmp_path) -> None:
     from tests.test_openai_batches import chat_line, run_batch
 

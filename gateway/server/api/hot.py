@@ -139,9 +139,12 @@ class HotRoutes:
                 413: {"description": "Body too large"},
                 422: {
                     "description": "Invalid request (unknown_model, invalid_inputs, validation_error, "
-                    "idempotency_key_reused, prompt_too_long)"
+                    "idempotency_key_reused, prompt_too_long, prompt_over_token_limit)"
                 },
-                429: {"description": "Backlog full; retry after `Retry-After` seconds"},
+                429: {
+                    "description": "Backlog full or a rate limit spent (backlog_full, rate_limited, "
+                    "token_rate_limited); retry after `Retry-After` seconds"
+                },
                 503: {"description": "Redis unavailable (redis_unavailable)"},
             },
         )

@@ -24,7 +24,7 @@ from limits.aio.storage import RedisClusterStorage, RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from gateway.common.redis import GroupCommit
-from gateway.server.errors import Busy
+from gateway.server.errors import Busy, InvalidRequest
 from gateway.server.tenants.config import TenantConfig
 
 
@@ -97,8 +97,17 @@ class Quotas:
 
     async def admit(self, config: TenantConfig, prompt_tokens: int) -> dict[str, str]:
         """Count one request and charge its prompt tokens; the rate-limit headers, or
-        Busy when over a limit (then nothing is charged for tokens)."""
+        Busy when over a limit (then nothing is charged for tokens). Prompt tokens
+        beyond the whole tokens-per-minute limit are refused as invalid (nothing counted):
+        no wait would let them in, so a 429's Retry-After would send the caller round in
+        circles."""
         limits = config.limits
+        if limits.tokens_per_minute and prompt_tokens > limits.tokens_per_minute:
+            raise InvalidRequest(
+                "prompt_over_token_limit",
+                f"this call's {prompt_tokens} prompt tokens are more than its tenant's {limits.tokens_per_minute} "
+                "tokens per minute: it can never be admitted; shorten it, or ask for a higher limit",
+            )
         headers: dict[str, str] = {}
         if limits.requests_per_minute:
             item = RateLimitItemPerMinute(limits.requests_per_minute)
