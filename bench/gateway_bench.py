@@ -623,13 +623,19 @@ async def section_relay(
     ]  # fmt: skip
     direct_rate = 0.0
     errors: dict[str, Samples] = {}
+    redis_window: RedisWindow | None = None
+    redis_tokens = 0
     for label, start in (
         ("direct gRPC", lambda: trace_direct(triton, inputs)),
         ("gateway SSE", lambda: trace_sse(http, inputs)),
     ):
+        redis_before = RedisSample.at(args.redis_url) if args.redis_url and label != "direct gRPC" else None
         cpu_before = http.cpu_seconds()
         ok, wall, failed = await _streams(start, args.streams)
         cpu_s = http.cpu_seconds() - cpu_before
+        if redis_before is not None:
+            redis_window = RedisWindow.between(redis_before, RedisSample.at(args.redis_url))
+            redis_tokens = sum(t.tokens for t in ok)
         errors[label] = Samples(errors=failed)
         gaps = [g for t in ok for g in t.gaps()]
         received = sum(t.tokens for t in ok)
@@ -640,6 +646,13 @@ async def section_relay(
                          f"{rate:.0f}", ratio(rate, direct_rate), f"{pct(gaps, 50):.1f}", f"{pct(gaps, 99):.1f}",
                          f"{pct([t.ttft for t in ok], 50):.1f}", f"{pct([t.ttft for t in ok], 99):.1f}",
                          per_token))  # fmt: skip
+    if redis_window is not None and redis_tokens:
+        cpu_a_token = redis_window.cpu_s * 1e6 / redis_tokens
+        lines += ["", f"Redis during the gateway's relay: {cpu_a_token:.1f} µs of CPU a token; the commands a "
+                  "token, the costliest first (calls, µs executing them; an EVALSHA's include its script's):", "",
+                  row("command", "calls a token", "µs a token"), row("---", "---", "---")]  # fmt: skip
+        for name, usec in redis_window.usec.most_common(8):  # the costliest first
+            lines.append(row(name, f"{redis_window.calls[name] / redis_tokens:.3f}", f"{usec / redis_tokens:.2f}"))
     return lines + error_lines(errors)
 
 
