@@ -27,6 +27,7 @@ import time
 
 import uvloop
 
+from bench.redis_info import RedisSample, RedisWindow
 from bench.stack import lone_redis
 from gateway.common.redis import GroupCommit, connect
 from gateway.server.tenants.config import TenantConfig, TenantLimits
@@ -34,7 +35,6 @@ from gateway.server.tenants.quotas import Quotas
 
 LIMITS = TenantLimits(requests_per_minute=10**9, tokens_per_minute=10**9)
 PROMPT_TOKENS = 12
-IGNORED = {"info", "config|resetstat", "config"}
 
 
 async def admitted(quotas: Quotas, config: TenantConfig, took: list[float]) -> None:
@@ -51,23 +51,19 @@ async def measure(url: str, way: str, together: int, admissions: int, tenants: i
     try:
         for _ in range(max(2, 64 // together)):  # scripts loaded, connections made
             await asyncio.gather(*(admitted(quotas, configs[n % tenants], []) for n in range(together)))
-        await client.config_resetstat()
-        cpu = await client.info("cpu")
+        before = RedisSample.at(url)
         rounds = max(1, admissions // together)
         began, own_began = time.perf_counter(), time.process_time()
         for _ in range(rounds):
             await asyncio.gather(*(admitted(quotas, configs[n % tenants], took) for n in range(together)))
         wall, own = time.perf_counter() - began, time.process_time() - own_began
-        after, stats = await client.info("cpu"), await client.info("commandstats")
+        redis = RedisWindow.between(before, RedisSample.at(url))
     finally:
         await client.aclose()
     done = rounds * together
-    used = after["used_cpu_sys"] + after["used_cpu_user"] - cpu["used_cpu_sys"] - cpu["used_cpu_user"]
-    calls = {name.removeprefix("cmdstat_"): stat for name, stat in stats.items() if name.startswith("cmdstat_")}
-    own_calls = {name: stat for name, stat in calls.items() if name not in IGNORED}
-    commands = sum(stat["calls"] for name, stat in own_calls.items() if name != "evalsha")
+    commands = redis.commands - redis.calls["evalsha"]  # those the scripts ran
     return (
-        f"| {together} | {way} | {own * 1e6 / done:.0f} | {used * 1e6 / done:.0f} | {commands / done:.1f} "
+        f"| {together} | {way} | {own * 1e6 / done:.0f} | {redis.cpu_s * 1e6 / done:.0f} | {commands / done:.1f} "
         f"| {statistics.median(took) * 1e3:.2f} | {done / wall:,.0f} |"
     )
 
