@@ -93,7 +93,6 @@ class Quotas:
             uri = redis_url.replace("redis://", "async+redis://", 1)
             storage = RedisStorage(uri, implementation="redispy", **timeouts)
         self.limiter = SlidingWindowCounterRateLimiter(storage)
-        self.grouped = isinstance(storage, GroupedStorage)
 
     async def admit(self, config: TenantConfig, prompt_tokens: int) -> dict[str, str]:
         """Count one request and charge its prompt tokens; the rate-limit headers, or
@@ -135,7 +134,7 @@ class Quotas:
         """Charge `cost` and read the window after it. On the group commit both go in one
         pipeline: calls made in one turn are sent in the order they were made (the
         gathered hit first), so the read sees the hit."""
-        if self.grouped:
+        if isinstance(self.limiter.storage, GroupedStorage):
             allowed, stats = await asyncio.gather(
                 self.limiter.hit(item, kind, tenant, cost=cost), self.limiter.get_window_stats(item, kind, tenant)
             )
