@@ -166,6 +166,13 @@ class Shard:
         return f"{self.prefix}results"
 
     @property
+    def notices(self) -> str:
+        """Stream: the followed requests (field `followed` of their hash) whose events a
+        script wrote, one entry a call (`ids`, space separated): what a process's event
+        hub reads when it follows too many streams to name them all (results/events.py)."""
+        return f"{self.prefix}notices"
+
+    @property
     def results_dead(self) -> str:
         return f"{self.prefix}results:dead"
 

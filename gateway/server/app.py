@@ -24,6 +24,7 @@ from gateway.common.redis import RedisClients
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, supervise
 from gateway.protocol import ResultRecord
+from gateway.server import spine
 from gateway.server.api import admin, events, operations, results, search
 from gateway.server.api.edge import Edge
 from gateway.server.api.errors import ErrorRenderer, install_error_handlers
@@ -186,7 +187,10 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         )
         notifier = CompletionNotifier(clients)
         hub = EventHub(
-            clients.unblocker(), clients.reader, lambda request_id, entry: reader.record_json(request_id, entry)
+            clients.unblocker(),
+            clients.reader,
+            lambda request_id, entry: reader.record_json(request_id, entry),
+            lambda request_id: spine.follow(jobs, request_id),
         )
         binders = BinderClient(settings.binder_urls, http, partitions=settings.index_partitions)
         side_tasks: set[asyncio.Task[None]] = set()

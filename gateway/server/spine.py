@@ -342,6 +342,12 @@ async def standing(jobs: JobStore, request_id: str) -> QueueStanding | None:
     return await jobs.queue_position(request_id)
 
 
+async def follow(jobs: JobStore, request_id: str) -> bool:
+    """FOLLOW: an event hub follows the request's events; the scripts that write them
+    name it in the shard's notices from now on (False: the request is not there)."""
+    return await jobs.follow(request_id)
+
+
 async def record_at(jobs: JobStore, shard: Shard, entry: str) -> str | None:
     """The record at an entry of the shard's results stream (gone once stored and trimmed)."""
     return await jobs.record_at(shard, entry)

@@ -340,6 +340,7 @@ class JobStore:
         self._handover = _Script(redis, scripts.HANDOVER)
         self._finish = _Script(redis, scripts.FINISH, head=scripts.FINISH_HEAD, most=scripts.FINISH_MOST)
         self._cancel = _Script(redis, scripts.CANCEL)
+        self._follow = _Script(redis, scripts.FOLLOW)
         self._read = _Script(redis, scripts.READ)
         self._queue = _Script(redis, scripts.QUEUE)
         group = replication.group if replication is not None and replication.main is redis else None
@@ -536,7 +537,7 @@ class JobStore:
 
     async def emit_many(self, shard: Shard, events: list[TokenEvent]) -> list[Emitted]:
         """Token events of several runs of one shard, in one call."""
-        keys: list[str] = []
+        keys: list[str] = [shard.notices]
         args: list[Any] = []
         for e in events:
             keys += scripts.request_keys(shard, e.request_id)
@@ -545,6 +546,11 @@ class JobStore:
         return [
             Emitted(str(reply[i]), str(reply[i + 1] or ""), int(reply[i + 2] or 0)) for i in range(0, len(reply), 3)
         ]
+
+    async def follow(self, request_id: str) -> bool:
+        """Have the scripts that write the request's events name it in its shard's notices
+        (an event hub follows it); False when the request is not there."""
+        return bool(await self._follow(keys=[shard_of(request_id).request(request_id)]))
 
     async def renew(self, shard: Shard, consumer: str, runs: list[tuple[str, str]]) -> list[int]:
         """Renew the leases of (request id, run token) runs in a shard: per run 1 still

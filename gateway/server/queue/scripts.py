@@ -40,7 +40,7 @@ from gateway.protocol.redis_keys import BANDS, Shard
 
 
 def shard_keys(shard: Shard) -> list[str]:
-    """KEYS[1..9] of SUBMIT, TAKE and FINISH: the shard's own keys (see _SHARD)."""
+    """KEYS[1..10] of SUBMIT, TAKE and FINISH: the shard's own keys (see _SHARD)."""
     return [
         shard.tenants,
         shard.running,
@@ -51,11 +51,12 @@ def shard_keys(shard: Shard) -> list[str]:
         shard.deadlines,
         shard.results,
         shard.sync,
+        shard.notices,
     ]
 
 
 def model_keys(shard: Shard, model: str) -> list[str]:
-    """KEYS[10..14] of TAKE (see _MODEL), and the first of a submission's keys in SUBMIT
+    """KEYS[11..15] of TAKE (see _MODEL), and the first of a submission's keys in SUBMIT
     and of a request's in FINISH: the model's reclaimed list and its ready set in each band."""
     return [shard.reclaimed(model), *(shard.ready(model, band) for band in BANDS)]
 
@@ -96,11 +97,28 @@ def renew_call(
     return lease_keys(shard, [request_id for request_id, _ in runs]), args
 
 
+# The requests of a call whose events some process's hub follows (their hash has
+# `followed`): named once, after them, in one entry of the shard's notices stream, which a
+# hub following too many streams to name them all reads instead (results/events.py). The
+# stream keeps about the last NOTICES_KEPT entries: a notice a hub misses only delays
+# events, since it reads all its streams every few seconds anyway.
+NOTICES_KEPT = 1000
+_NOTICES = f"""
+local noticed = {{}}
+local function notice(followed, id) if followed == '1' then noticed[#noticed + 1] = id end end
+local function write_notices(key)
+  if #noticed > 0 then
+    redis.call('XADD', key, 'MAXLEN', '~', {NOTICES_KEPT}, '*', 'ids', table.concat(noticed, ' '))
+  end
+end
+"""
+
 # The shard's keys and the helpers over them: counters that vanish at zero, tenant
 # settings, the concurrency limit, the virtual clock, `sync`.
-_SHARD = """
+_SHARD = (
+    """
 local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
-local TENANTS, RUNNING, VCLOCK, BACKLOG, STARTED, LEASES, DEADLINES, RESULTS, SYNC = unpack(KEYS, 1, 9)
+local TENANTS, RUNNING, VCLOCK, BACKLOG, STARTED, LEASES, DEADLINES, RESULTS, SYNC, NOTICES = unpack(KEYS, 1, 10)
 local function num(v) return tonumber(v) or 0 end
 local function decr(key, field, by)
   if by ~= 0 and redis.call('HINCRBY', key, field, -by) <= 0 then redis.call('HDEL', key, field) end
@@ -141,14 +159,16 @@ local function write_pending()
   end
 end
 """
+    + _NOTICES
+)
 
 # The model's keys (model_keys).
 _MODEL = """
-local RECLAIMED = KEYS[10]
-local READY = {high = KEYS[11], normal = KEYS[12], low = KEYS[13], batch = KEYS[14]}
+local RECLAIMED = KEYS[11]
+local READY = {high = KEYS[12], normal = KEYS[13], low = KEYS[14], batch = KEYS[15]}
 """
 
-# KEYS: shard_keys (9), then per submission its model_keys and tenant_keys (10) and per
+# KEYS: shard_keys (10), then per submission its model_keys and tenant_keys (10) and per
 #   request its hash, its events and, when it has an idempotency key, that key (the
 #   request's ARGV says whether).
 # ARGV: prefix, then per submission (19, then 6 a request): model, tenant, band, now,
@@ -314,7 +334,7 @@ local function submit(kb, ab)
   return {'accepted'}, used_keys, used_args
 end
 local out = {}
-local kb, ab = 9, 1
+local kb, ab = 10, 1
 while kb < #KEYS do
   local answer, used_keys, used_args = submit(kb, ab)
   out[#out + 1] = answer
@@ -328,11 +348,11 @@ return out
 
 # The keys and arguments SUBMIT's submissions share: a call for several submissions of a
 # shard is these once, then each submission's own (submit_keys and its arguments).
-SUBMIT_HEAD = (9, 1)
+SUBMIT_HEAD = (10, 1)
 # At most this many submissions in one SUBMIT.
 SUBMIT_MOST = 64
 
-# KEYS: shard_keys, model_keys (14), then the consumer's last take (take:<consumer>).
+# KEYS: shard_keys, model_keys (15), then the consumer's last take (take:<consumer>).
 # ARGV: prefix, model, consumer, now, lease end (ms), take token (random: the first started
 #   run's token too, its fence; the n-th run's is the token and '.n'), light only ('1': only
 #   a tenant that runs nothing of this model now, the headroom kept for light tenants),
@@ -348,7 +368,7 @@ TAKE = (
     + """
 local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local most = math.max(1, tonumber(ARGV[9]) or 1)
-local TAKEN = KEYS[15]
+local TAKEN = KEYS[16]
 local function answer(out, rid, emitted)
   local req = P .. 'req:' .. rid
   out[#out + 1] = rid
@@ -370,7 +390,7 @@ end
 local taken = {token}
 local function start(rid, restarted, run)
   local req = P .. 'req:' .. rid
-  local h = redis.call('HMGET', req, 'tenant', 'band', 'size', 'emitted', 'attempts')
+  local h = redis.call('HMGET', req, 'tenant', 'band', 'size', 'emitted', 'attempts', 'followed')
   if not restarted then
     local total_field, tenant_field = counters(h[2], h[1])
     decr(BACKLOG, total_field, 1)
@@ -388,6 +408,7 @@ local function start(rid, restarted, run)
   redis.call('ZADD', LEASES, ARGV[5], rid)
   redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
     cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
+  notice(h[6], rid)
   taken[#taken + 1] = rid .. ' ' .. run
   return h[4]  -- pieces emitted by earlier runs
 end
@@ -446,13 +467,15 @@ for n = 1, most do
 end
 if #out > 1 then
   redis.call('SET', TAKEN, table.concat(taken, ' '), 'EX', ARGV[8])
+  write_notices(NOTICES)
   return out
 end
 return {held and 'held' or 'empty'}
 """
 )
 
-# KEYS: per token event, its request's hash, events and token ids (request_keys).
+# KEYS: the shard's notices, then per token event its request's hash, events and token
+#   ids (request_keys).
 # ARGV: per token event: run token, index of the first piece, text, piece count, token ids
 #   ('1,2,3,' or '')
 # Token events of several runs of a shard in one call (TokenRelay sends what every stream
@@ -460,14 +483,16 @@ return {held and 'held' or 'empty'}
 # emitted}: outcome 'ok', 'cancel' (published, but the request is asked to stop), 'stale'
 # (another run took over), 'gap' (the stream holds fewer pieces than index: send again
 # from there). A replay of pieces already in the stream changes nothing ('ok', '').
-EMIT = """
+EMIT = (
+    _NOTICES
+    + """
 local out = {}
 for e = 0, #ARGV / 5 - 1 do
-  local req, events, tokens = KEYS[e * 3 + 1], KEYS[e * 3 + 2], KEYS[e * 3 + 3]
+  local req, events, tokens = KEYS[e * 3 + 2], KEYS[e * 3 + 3], KEYS[e * 3 + 4]
   local a = e * 5
   local run, index, text, count, ids = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3], tonumber(ARGV[a + 4]),
     ARGV[a + 5]
-  local h = redis.call('HMGET', req, 'state', 'run', 'emitted', 'cancel')
+  local h = redis.call('HMGET', req, 'state', 'run', 'emitted', 'cancel', 'followed')
   local emitted = tonumber(h[3] or '0')
   local outcome = h[4] == '1' and 'cancel' or 'ok'
   local event = ''
@@ -483,13 +508,16 @@ for e = 0, #ARGV / 5 - 1 do
     emitted = index + count
     redis.call('HSET', req, 'emitted', emitted)
     if ids ~= '' then redis.call('APPEND', tokens, ids) end
+    notice(h[5], string.match(req, 'req:(.*)$'))
   end
   out[#out + 1] = outcome
   out[#out + 1] = event
   out[#out + 1] = emitted
 end
+write_notices(KEYS[1])
 return out
 """
+)
 
 # KEYS: the shard's leases, then per run its request's hash (lease_keys).
 # ARGV: consumer, lease end (ms), then pairs of request id and its run's token.
@@ -569,7 +597,7 @@ for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
 return moved
 """
 
-# KEYS: shard_keys (9), then per request (finish_keys) its model_keys and tenant_keys (10)
+# KEYS: shard_keys (10), then per request (finish_keys) its model_keys and tenant_keys (10)
 #   and its hash, events and token ids (request_keys): 13 a request.
 # ARGV: prefix, done channel, then per request (finish_args, 11 each): id, status,
 #   record, finished_at, terminal event, allowed states (a,b), '1' for an `output` event
@@ -617,7 +645,7 @@ local function finish(k, a)
   local id, status, record, finished_at, terminal = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local allowed_states, output, run, sent = ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
   local h = redis.call('HMGET', REQ, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted',
-    'in_deadlines')
+    'in_deadlines', 'followed')
   local state = h[1]
   local allowed = false
   for s in string.gmatch(allowed_states, '[^,]+') do
@@ -665,13 +693,15 @@ local function finish(k, a)
   -- No expiry here: the binder gives the hash and the events theirs once it has stored the
   -- record (MARK_STORED), or could not (a dead letter): two commands less a request.
   done[#done + 1] = id
+  notice(h[10], id)
   return {1}
 end
 local out = {}
-for r = 0, (#KEYS - 9) / 13 - 1 do
-  out[r + 1] = finish(9 + r * 13, 2 + r * 11)
+for r = 0, (#KEYS - 10) / 13 - 1 do
+  out[r + 1] = finish(10 + r * 13, 2 + r * 11)
 end
 write_pending()
+write_notices(NOTICES)
 if #ended_leases > 0 then redis.call('ZREM', LEASES, unpack(ended_leases)) end
 for _, tenant in ipairs(tenants_order) do unblock(tenant, blocked_of[tenant]) end
 if #done > 0 then redis.call('PUBLISH', DONE, table.concat(done, ' ')) end
@@ -681,7 +711,7 @@ return out
 
 # The keys and arguments FINISH's requests share: a call for several requests of a shard is
 # these once, then each request's own (finish_keys, finish_args).
-FINISH_HEAD = (9, 2)
+FINISH_HEAD = (10, 2)
 # At most this many requests in one FINISH (the script runs alone in Redis meanwhile).
 FINISH_MOST = 64
 
@@ -753,6 +783,15 @@ def read_keys(shard: Shard, request_id: str) -> list[str]:
     """KEYS of READ and QUEUE."""
     return [shard.request(request_id), shard.results, shard.started]
 
+
+# KEYS[1]: the request hash.
+# A process's event hub follows the request's events: the scripts that write them name it
+# in the shard's notices from now on (_NOTICES). Never re-creates a hash that has expired.
+FOLLOW = """
+if redis.call('HEXISTS', KEYS[1], 'state') == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'followed', '1')
+return 1
+"""
 
 # KEYS[1]: the request hash.  ARGV: id, cancel channel.
 # Never re-creates a hash that has expired.

@@ -1,7 +1,18 @@
 """Server-Sent Events from the requests' event streams, with one Redis reader per shard
-and process: a single XREAD BLOCK covers every stream of that shard some client follows
-and fans the entries out, so a thousand SSE clients cost one connection per shard. A new
-client interrupts the blocked read (CLIENT UNBLOCK) so its stream is read at once.
+and process, so a thousand SSE clients cost one connection per shard. A new client
+interrupts the blocked read (CLIENT UNBLOCK) so its stream is read at once.
+
+How the reader waits depends on how many streams of the shard it follows:
+- up to NAMED_MOST, a single XREAD BLOCK names them all and returns with whatever was
+  written to any of them (one round trip an event);
+- past it, such a call would cost Redis and this process in proportion to the streams
+  named, every time one of them is written (~700 µs of Redis a call at 200 streams, and
+  ~1.3 ms of this loop's time packing a call at 1,000: docs/benchmarks.md). So the reader
+  blocks on the shard's notices instead (the scripts that write a followed request's
+  events name it there, once a call: queue/scripts.py, FOLLOW), then reads the streams
+  named. Where each stream is read from stays the reader's own, so a notice lost (trimmed
+  while the reader lagged, or by a failover) delays events and loses none: every stream is
+  read anyway every FULL_READ_EVERY_S.
 
 A request's `output` and terminal events do not hold its record: they name its entry in
 the results stream (where FINISH wrote it once). The hub puts the record back (the whole
@@ -20,6 +31,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -32,6 +44,13 @@ log = logging.getLogger(__name__)
 
 TERMINAL_KINDS = {kind.value for kind in EventKind if kind.terminal}
 BLOCK_MS = 1000
+# Entries read from a stream in one call (more wait for the next).
+COUNT = 512
+# Up to this many followed streams in a shard, one blocking XREAD names them all; past it,
+# the reader waits on the shard's notices (the module docstring).
+NAMED_MOST = 16
+# Reading by notices, every followed stream is read this often all the same.
+FULL_READ_EVERY_S = 2.0
 # A followed stream is checked for existence this often (it may have expired).
 EXISTS_EVERY_S = 30.0
 
@@ -101,6 +120,13 @@ class _ShardReader:
     connection_id: int | None = None
     task: asyncio.Task[None] | None = None
     health: LoopHealth | None = None
+    # Reading by notices: the last notice read (None: read every stream first), when every
+    # stream was last read, and the streams to read next whatever the notices say: those
+    # followed since the last read, and those whose last read stopped at COUNT.
+    notices_after: str | None = None
+    full_read_at: float = 0.0
+    fresh: set[str] = field(default_factory=set)
+    again: set[str] = field(default_factory=set)
 
 
 class EventHub:
@@ -109,16 +135,24 @@ class EventHub:
         redis: Redis,
         connect_reader: Callable[[Shard], Awaitable[Redis]],
         records: Callable[[str, str], Awaitable[str]],
+        mark_followed: Callable[[str], Awaitable[object]],
         *,
         max_followers: int = 10_000,
+        named_most: int = NAMED_MOST,
+        full_read_every_s: float = FULL_READ_EVERY_S,
     ) -> None:
         """connect_reader(shard) gives a client of one connection to the Redis that holds
         the shard, for blocking reads (its id can be unblocked); records(request id,
-        results entry) gives a record (from Redis, or MongoDB once stored)."""
+        results entry) gives a record (from Redis, or MongoDB once stored);
+        mark_followed(request id) has the scripts name the request in its shard's notices
+        (spine.follow)."""
         self.redis = redis  # for checks
         self.connect_reader = connect_reader
         self.records = records
+        self.mark_followed = mark_followed
         self.max_followers = max_followers
+        self.named_most = named_most
+        self.full_read_every_s = full_read_every_s
         self._readers: dict[int, _ShardReader] = {}
         self._closed = False
 
@@ -165,8 +199,13 @@ class EventHub:
         position, start = reader.positions.get(follower.key), read_after(after)
         if position is None or stream_id_order(start) < stream_id_order(position):
             reader.positions[follower.key] = start
-        await self._interrupt(reader)
         try:
+            if len(reader.positions) > self.named_most:  # read by notices (below it, no need)
+                # Marked before its stream is read: what is written before the mark, that
+                # read finds; what after, a notice names (the reader follows it already).
+                await self._mark(request_id)
+                reader.fresh.add(follower.key)
+            await self._interrupt(reader)
             waiting = idle_s is not None
             while True:
                 if waiting:
@@ -191,6 +230,8 @@ class EventHub:
                 if not followers:
                     del reader.followers[follower.key]
                     reader.positions.pop(follower.key, None)
+                    reader.fresh.discard(follower.key)
+                    reader.again.discard(follower.key)
 
     def _reader(self, shard: Shard) -> _ShardReader:
         reader = self._readers.get(shard.index)
@@ -216,23 +257,21 @@ class EventHub:
         connection = reader.connection = await self.connect_reader(reader.shard)
         try:
             reader.connection_id = await connection.client_id()
+            reader.notices_after = None  # (re)connected: every stream is read first
             while True:
                 if not reader.followers:
                     reader.changed.clear()
                     await reader.changed.wait()
                     continue
                 reader.changed.clear()
-                reply = await connection.xread(dict(reader.positions), count=512, block=BLOCK_MS)
-                for key, entries in reply or []:
-                    events = []
-                    for entry_id, fields in entries:
-                        piece = (int(fields["i"]), int(fields["n"])) if "i" in fields else None
-                        entry = fields.get("record")  # (the record's results entry)
-                        parts = _own_events(fields) if entry is None else await self._record_events(key, fields, entry)
-                        events.append((entry_id, parts, piece))
-                    if key in reader.positions:
-                        reader.positions[key] = entries[-1][0]
-                    self._fan_out(reader, key, events)
+                if len(reader.positions) <= self.named_most:
+                    reader.notices_after = None
+                    reader.fresh.clear()  # (this read names them all)
+                    await self._deliver(
+                        reader, await connection.xread(dict(reader.positions), count=COUNT, block=BLOCK_MS)
+                    )
+                else:
+                    await self._read_noticed(reader, connection)
                 if loop.time() - last_exists_check > EXISTS_EVERY_S:
                     last_exists_check = loop.time()
                     await self._end_vanished(reader)
@@ -240,6 +279,63 @@ class EventHub:
             reader.connection_id = None
             reader.connection = None
             await connection.aclose()
+
+    async def _mark(self, request_id: str) -> None:
+        try:
+            await self.mark_followed(request_id)
+        except Exception as exc:  # its events come later, not never: every stream is read every full_read_every_s
+            log.debug("marking %s followed failed: %s", request_id, exc)
+
+    async def _read_noticed(self, reader: _ShardReader, connection: Redis) -> None:
+        """Wait for the shard's notices, then read the streams they name (and those followed
+        since the last read); every stream at first (every request followed marked first:
+        those followed while the streams were few were not, and a failover may have lost
+        marks) and every full_read_every_s."""
+        now = asyncio.get_running_loop().time()
+        if reader.notices_after is None:
+            await asyncio.gather(*(self._mark(key.rsplit(":", 1)[1]) for key in list(reader.positions)))
+        if reader.notices_after is None or now - reader.full_read_at >= self.full_read_every_s:
+            reader.fresh.clear()
+            async with connection.pipeline(transaction=False) as pipe:
+                # Where the notices end, then every stream: a notice after that end names a
+                # stream written after this read.
+                pipe.xrevrange(reader.shard.notices, count=1)
+                pipe.xread(dict(reader.positions), count=COUNT)
+                last, reply = await pipe.execute()
+            reader.notices_after = last[0][0] if last else "0-0"
+            reader.full_read_at = now
+            reader.again = await self._deliver(reader, reply)
+            return
+        keys = reader.fresh | reader.again
+        reader.fresh, reader.again = set(), set()
+        notices = await connection.xread(
+            {reader.shard.notices: reader.notices_after}, count=COUNT, block=None if keys else BLOCK_MS
+        )
+        for _, entries in notices or []:
+            reader.notices_after = entries[-1][0]
+            for _, fields in entries:
+                keys.update(reader.shard.events(request_id) for request_id in fields.get("ids", "").split())
+        positions = {key: reader.positions[key] for key in keys if key in reader.positions}
+        if positions:
+            reader.again |= await self._deliver(reader, await connection.xread(positions, count=COUNT))
+
+    async def _deliver(self, reader: _ShardReader, reply: Any) -> set[str]:
+        """Fan an XREAD's entries out to the streams' followers; the streams it read COUNT
+        entries of (more may wait)."""
+        full = set()
+        for key, entries in reply or []:
+            events = []
+            for entry_id, fields in entries:
+                piece = (int(fields["i"]), int(fields["n"])) if "i" in fields else None
+                entry = fields.get("record")  # (the record's results entry)
+                parts = _own_events(fields) if entry is None else await self._record_events(key, fields, entry)
+                events.append((entry_id, parts, piece))
+            if key in reader.positions:
+                reader.positions[key] = entries[-1][0]
+            self._fan_out(reader, key, events)
+            if len(entries) >= COUNT:
+                full.add(key)
+        return full
 
     async def _record_events(self, key: str, fields: dict[str, str], entry: str) -> list[tuple[str, str]]:
         """The (kind, data) of the events of an entry that names the record's results entry:

@@ -1,0 +1,256 @@
+"""The SSE event hub (gateway/server/results/events.py) on a real Redis, through the real
+scripts: past a few streams followed in a shard it waits on the shard's notices (the
+scripts name a followed request there when they write its events) and reads only the
+streams named, instead of naming every stream in each blocking read; a notice that never
+comes delays an event and loses none. One behaviour per test.
+
+What a client sees of the events (order, resuming, replay) is specified against the whole
+stack in tests/test_gateway_sse.py and tests/test_event_ids.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio import Redis
+
+from gateway.protocol import State, new_request_id
+from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.jobs import Admission, Job, JobStore, NewRequest, TokenEvent
+from gateway.server.results.events import COUNT, EventHub
+from tests.conftest import lone_redis
+
+SHARD = Shard(0)
+OPEN = Admission(max_backlog=10_000, max_batch_backlog=10_000, max_bytes=10**9, reserve=4)
+# Long enough that only a notice (or a new follower) makes the hub read a stream.
+NEVER_S = 3600.0
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with lone_redis(tmp_path_factory, "hub-redis") as url:
+        yield url
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Redis]:
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def store(client: Redis) -> JobStore:
+    return JobStore(client, idempotency_ttl_s=60, lease_ms=10_000)
+
+
+class ReadLog:
+    """The stream keys each XREAD of the hub's readers named (the connections are real)."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self.reads: list[set[str]] = []
+
+    async def connect(self, shard: Shard) -> Redis:
+        connection = Redis.from_url(self.redis_url, decode_responses=True, single_connection_client=True)
+        xread = connection.xread
+
+        async def logged(streams: dict[str, str], *args: Any, **kwargs: Any) -> Any:
+            self.reads.append(set(streams))
+            return await xread(streams, *args, **kwargs)
+
+        connection.xread = logged  # type: ignore[method-assign]
+        return connection
+
+
+@pytest.fixture
+async def hubs(client: Redis, store: JobStore, redis_url: str) -> AsyncIterator[Any]:
+    made: list[EventHub] = []
+
+    def make(*, named_most: int, full_read_every_s: float = NEVER_S, log: ReadLog | None = None) -> EventHub:
+        async def record(request_id: str, entry: str) -> str:
+            return await store.record_at(SHARD, entry) or "{}"
+
+        hub = EventHub(
+            client,
+            (log or ReadLog(redis_url)).connect,
+            record,
+            store.follow,
+            named_most=named_most,
+            full_read_every_s=full_read_every_s,
+        )
+        made.append(hub)
+        return hub
+
+    yield make
+    for hub in made:
+        await hub.close()
+
+
+async def submitted(store: JobStore, count: int = 1) -> list[str]:
+    ids = []
+    for _ in range(count):
+        now = time.time()
+        request_id = new_request_id(now)
+        request = NewRequest(request_id, {"inputs": {}}, now, now + 60)
+        await store.submit([request], model="m", tenant="t", band="normal", admission=OPEN)
+        ids.append(request_id)
+    return ids
+
+
+async def taken(store: JobStore, count: int) -> dict[str, Job]:
+    jobs = await store.take_many(SHARD, "m", "c1", most=count)
+    assert isinstance(jobs, list)
+    return {job.request_id: job for job in jobs}
+
+
+class Follower:
+    """A client following one request's events, from the start, in a task of its own."""
+
+    def __init__(self, hub: EventHub, request_id: str) -> None:
+        self.kinds: list[str] = []
+        self.changed = asyncio.Event()
+        self.task = asyncio.create_task(self._follow(hub, request_id))
+
+    async def _follow(self, hub: EventHub, request_id: str) -> None:
+        async for event in hub.follow(request_id, "0-0"):
+            self.kinds.append(event.kind)
+            self.changed.set()
+
+    async def has(self, count: int) -> list[str]:
+        """Its first `count` events' kinds, once it has them (a 30 s guard)."""
+        async with asyncio.timeout(30):
+            while len(self.kinds) < count:
+                self.changed.clear()
+                await self.changed.wait()
+        return self.kinds[:count]
+
+
+async def notices(client: Redis) -> list[list[str]]:
+    return [fields["ids"].split() for _, fields in await client.xrange(SHARD.notices)]
+
+
+# -- the scripts' notices ------------------------------------------------------------------
+
+
+async def test_the_scripts_name_a_followed_request_in_the_notices_as_they_write_its_events(
+    client: Redis, store: JobStore
+) -> None:
+    (rid,) = await submitted(store)
+    assert await store.follow(rid)
+    job = (await taken(store, 1))[rid]
+    await store.emit(rid, job.run, 0, "a", 1, [])
+    assert isinstance(await store.finish(job.record(State.SUCCEEDED), run=job.run), str)
+    assert await notices(client) == [[rid], [rid], [rid]]  # TAKE's `running`, EMIT's token, FINISH's end
+
+
+async def test_one_call_for_several_followed_requests_writes_one_notice_naming_them(
+    client: Redis, store: JobStore
+) -> None:
+    ids = await submitted(store, 3)
+    for rid in ids[:2]:
+        await store.follow(rid)
+    jobs = await taken(store, 3)
+    await client.delete(SHARD.notices)
+    await store.emit_many(SHARD, [TokenEvent(rid, jobs[rid].run, 0, "a", 1, []) for rid in ids])
+    assert await notices(client) == [ids[:2]]
+
+
+async def test_a_request_nobody_follows_costs_no_notice(client: Redis, store: JobStore) -> None:
+    (rid,) = await submitted(store)
+    job = (await taken(store, 1))[rid]
+    await store.emit(rid, job.run, 0, "a", 1, [])
+    await store.finish(job.record(State.SUCCEEDED), run=job.run)
+    assert not await client.exists(SHARD.notices)
+
+
+async def test_following_a_request_that_is_gone_creates_nothing(client: Redis, store: JobStore) -> None:
+    rid = new_request_id(time.time())
+    assert not await store.follow(rid)
+    assert not await client.exists(SHARD.request(rid))
+
+
+# -- the hub reading by notices ------------------------------------------------------------
+
+
+async def test_by_notices_each_follower_gets_every_event_as_it_is_written(store: JobStore, hubs: Any) -> None:
+    hub = hubs(named_most=0)
+    ids = await submitted(store, 3)
+    followers = {rid: Follower(hub, rid) for rid in ids}
+    for follower in followers.values():
+        assert await follower.has(1) == ["queued"]
+    jobs = await taken(store, 3)
+    for rid in ids:
+        await store.emit(rid, jobs[rid].run, 0, "a", 1, [])
+        await store.emit(rid, jobs[rid].run, 1, "b", 1, [])
+        await store.finish(jobs[rid].record(State.SUCCEEDED), run=jobs[rid].run)
+    for follower in followers.values():
+        assert await follower.has(5) == ["queued", "running", "token", "token", "completed"]
+
+
+async def test_by_notices_a_read_names_only_the_streams_written(store: JobStore, hubs: Any, redis_url: str) -> None:
+    log = ReadLog(redis_url)
+    hub = hubs(named_most=0, log=log)
+    ids = await submitted(store, 3)
+    followers = [Follower(hub, rid) for rid in ids]
+    for follower in followers:
+        await follower.has(1)
+    jobs = await taken(store, 3)
+    for follower in followers:
+        await follower.has(2)
+    log.reads.clear()
+    first = ids[0]
+    await store.emit(first, jobs[first].run, 0, "a", 1, [])
+    assert await followers[0].has(3) == ["queued", "running", "token"]
+    named = set().union(*log.reads)
+    assert named == {SHARD.notices, SHARD.events(first)}
+
+
+async def test_an_event_no_notice_names_reaches_its_follower_by_the_periodic_full_read(
+    client: Redis, store: JobStore, hubs: Any
+) -> None:
+    hub = hubs(named_most=0, full_read_every_s=0.5)
+    (rid,) = await submitted(store)
+    follower = Follower(hub, rid)
+    await follower.has(1)
+    await client.xadd(SHARD.events(rid), {"event": "running", "data": "{}"})  # written without a notice
+    assert await follower.has(2) == ["queued", "running"]
+
+
+async def test_a_stream_read_up_to_the_count_is_read_on_without_a_notice(
+    client: Redis, store: JobStore, hubs: Any
+) -> None:
+    hub = hubs(named_most=0)
+    (rid,) = await submitted(store)
+    async with client.pipeline(transaction=False) as pipe:  # more than one read takes, before anyone follows
+        for index in range(COUNT + 10):
+            pipe.xadd(SHARD.events(rid), {"event": "token", "data": "{}", "i": index, "n": 1})
+        pipe.xadd(SHARD.events(rid), {"event": "completed", "data": "{}"})
+        await pipe.execute()
+    follower = Follower(hub, rid)
+    kinds = await follower.has(COUNT + 12)
+    assert kinds == ["queued", *["token"] * (COUNT + 10), "completed"]
+
+
+async def test_a_hub_that_passes_named_most_streams_goes_on_by_notices_losing_nothing(
+    store: JobStore, hubs: Any, redis_url: str
+) -> None:
+    log = ReadLog(redis_url)
+    hub = hubs(named_most=1, log=log)
+    first, second = await submitted(store, 2)
+    one = Follower(hub, first)
+    assert await one.has(1) == ["queued"]
+    assert log.reads[-1] == {SHARD.events(first)}  # one stream: named, no notices read
+    jobs = await taken(store, 2)
+    two = Follower(hub, second)
+    assert await two.has(2) == ["queued", "running"]
+    for rid in (first, second):
+        await store.emit(rid, jobs[rid].run, 0, "a", 1, [])
+    assert await one.has(3) == ["queued", "running", "token"]
+    assert await two.has(3) == ["queued", "running", "token"]
+    assert {SHARD.notices} in log.reads
