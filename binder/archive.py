@@ -29,6 +29,7 @@ from binder.webhooks import WebhookQueue
 from gateway.common.logs import request_ids_bound
 from gateway.common.redis import REDIS_OUTAGE
 from gateway.common.result_store import ResultStore
+from gateway.common.retry import raise_if_cancelled
 from gateway.common.streams import Entry, StreamConsumer, stream_id_order
 from gateway.protocol import ResultRecord, valid_request_id
 from gateway.protocol.redis_keys import BINDER_GROUP, Shard, all_shards, shard_of
@@ -124,6 +125,7 @@ class Archiver:
         for it with backoff: the other shards go on storing."""
         delay = SHARD_RETRY_FIRST_S
         while True:
+            raise_if_cancelled()
             try:
                 await self._serve_shard(shard)
             except REDIS_OUTAGE as exc:
@@ -138,6 +140,9 @@ class Archiver:
         last_reclaim = last_trim = time.monotonic()
         batch = self.settings.batch_size
         while True:
+            # The task group cancels every shard's loop when one fails: a loop that went on
+            # after a cancellation its Redis call swallowed would hold the group for good.
+            raise_if_cancelled()
             entries = await consumer.read({stream: batch}, block_ms=self.settings.block_ms)
             if entries and len(entries) < batch and self.settings.linger_ms:
                 await asyncio.sleep(self.settings.linger_ms / 1000)

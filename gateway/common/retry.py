@@ -16,6 +16,19 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exp
 log = logging.getLogger(__name__)
 
 
+def raise_if_cancelled() -> None:
+    """End a loop whose task was asked to stop, even when the await that was interrupted
+    swallowed the request. Python 3.11's asyncio.wait_for (redis-py sends every command
+    through it when the client has a socket timeout) returns the result instead of
+    raising CancelledError when the task is cancelled just as the wrapped call completes
+    (fixed in 3.12, where wait_for is asyncio.timeout). A loop that goes on after that is
+    never cancelled again, and a task group or supervisor waiting for it waits for good.
+    Loops that run until cancelled call this once a turn."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _transient(exc: BaseException) -> bool:
     return not isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | SystemExit)
 
@@ -58,6 +71,7 @@ async def supervise(health: LoopHealth, step: Callable[[], Awaitable[None]]) -> 
     async for attempt in backoff(health.name, maximum=5.0):
         with attempt:
             try:
+                raise_if_cancelled()  # (not started again once asked to stop)
                 await step()
             except asyncio.CancelledError:
                 raise
