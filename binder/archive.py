@@ -65,6 +65,11 @@ READER_LIVE_S = 60.0
 # A shard's loop waits this long, doubling up to the most, for its Redis to come back.
 SHARD_RETRY_FIRST_S = 0.1
 SHARD_RETRY_MAX_S = 2.0
+# A turn of a shard's loop (a read, storing what it read, acknowledging it) that takes
+# longer than this is taken for stuck and started again: in a failover test a shard's
+# loop once stopped storing for good, with nothing logged (docs/deployment.md). Far above
+# any turn's own limits (Redis's and MongoDB's timeouts, the read's block).
+TURN_LIMIT_S = 60.0
 
 
 class StoreUnavailable(Exception):
@@ -128,7 +133,7 @@ class Archiver:
             raise_if_cancelled()
             try:
                 await self._serve_shard(shard)
-            except REDIS_OUTAGE as exc:
+            except REDIS_OUTAGE as exc:  # (a turn past TURN_LIMIT_S too: TimeoutError is an OSError)
                 log.warning("results of %s wait for their Redis (%s: %s)", shard.results, type(exc).__name__, exc)
                 await asyncio.sleep(delay)
                 delay = min(SHARD_RETRY_MAX_S, delay * 2)
@@ -136,31 +141,42 @@ class Archiver:
     async def _serve_shard(self, shard: Shard) -> None:
         consumer = self.consumers[shard.index]
         stream = shard.results
-        await self._drain_own_pending(consumer, stream)
+        async with asyncio.timeout(TURN_LIMIT_S):
+            await self._drain_own_pending(consumer, stream)
         last_reclaim = last_trim = time.monotonic()
-        batch = self.settings.batch_size
         while True:
             # The task group cancels every shard's loop when one fails: a loop that went on
             # after a cancellation its Redis call swallowed would hold the group for good.
             raise_if_cancelled()
-            entries = await consumer.read({stream: batch}, block_ms=self.settings.block_ms)
-            if entries and len(entries) < batch and self.settings.linger_ms:
-                await asyncio.sleep(self.settings.linger_ms / 1000)
-                entries += await consumer.read({stream: batch - len(entries)}, block_ms=None)
-            if entries:
-                await self.process(entries, consumer)
-            now = time.monotonic()
-            if now - last_reclaim >= self.settings.claim_idle_ms / 2000:
-                last_reclaim = now
-                reclaimed = await consumer.reclaim(stream, batch)
-                if reclaimed:
-                    log.info("reclaimed %d result entries of %s", len(reclaimed), stream)
-                    await self.process(reclaimed, consumer)
-            if now - last_trim >= TRIM_EVERY_S:
-                last_trim = now
-                await consumer.trim(
-                    stream, keep_newer_than_s=self.settings.results_keep_s, read_up_to=await self._readers_at(shard)
-                )
+            async with asyncio.timeout(TURN_LIMIT_S):
+                last_reclaim, last_trim = await self._serve_turn(shard, consumer, last_reclaim, last_trim)
+
+    async def _serve_turn(
+        self, shard: Shard, consumer: StreamConsumer, last_reclaim: float, last_trim: float
+    ) -> tuple[float, float]:
+        """Read the shard's new results, store and acknowledge them; reclaim and trim when
+        due. Returns when reclaiming and trimming were last done."""
+        stream = shard.results
+        batch = self.settings.batch_size
+        entries = await consumer.read({stream: batch}, block_ms=self.settings.block_ms)
+        if entries and len(entries) < batch and self.settings.linger_ms:
+            await asyncio.sleep(self.settings.linger_ms / 1000)
+            entries += await consumer.read({stream: batch - len(entries)}, block_ms=None)
+        if entries:
+            await self.process(entries, consumer)
+        now = time.monotonic()
+        if now - last_reclaim >= self.settings.claim_idle_ms / 2000:
+            last_reclaim = now
+            reclaimed = await consumer.reclaim(stream, batch)
+            if reclaimed:
+                log.info("reclaimed %d result entries of %s", len(reclaimed), stream)
+                await self.process(reclaimed, consumer)
+        if now - last_trim >= TRIM_EVERY_S:
+            last_trim = now
+            await consumer.trim(
+                stream, keep_newer_than_s=self.settings.results_keep_s, read_up_to=await self._readers_at(shard)
+            )
+        return last_reclaim, last_trim
 
     async def _readers_at(self, shard: Shard) -> str | None:
         """The entry the slowest live index follower has read up to (None: no follower said)."""

@@ -22,8 +22,10 @@ def raise_if_cancelled() -> None:
     through it when the client has a socket timeout) returns the result instead of
     raising CancelledError when the task is cancelled just as the wrapped call completes
     (fixed in 3.12, where wait_for is asyncio.timeout). A loop that goes on after that is
-    never cancelled again, and a task group or supervisor waiting for it waits for good.
-    Loops that run until cancelled call this once a turn."""
+    never cancelled again, and a task group waiting for it waits for good. Loops that a
+    task group runs until it cancels them call this once a turn. (Not for a task that
+    has run a task group itself: on 3.11 a member failing while the group exits leaves
+    that task counted as cancelled for good, CPython gh-116720.)"""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
@@ -71,7 +73,6 @@ async def supervise(health: LoopHealth, step: Callable[[], Awaitable[None]]) -> 
     async for attempt in backoff(health.name, maximum=5.0):
         with attempt:
             try:
-                raise_if_cancelled()  # (not started again once asked to stop)
                 await step()
             except asyncio.CancelledError:
                 raise
