@@ -25,7 +25,6 @@ import statistics
 import time
 from typing import Any
 
-import redis
 import uvloop
 from redis.asyncio import Redis
 
@@ -34,7 +33,7 @@ from bench.stack import lone_redis
 from gateway.common.redis import RedisClients
 from gateway.protocol.ids import new_request_id
 from gateway.protocol.redis_keys import Shard, shard_of
-from gateway.server.queue import scripts
+from gateway.server.queue.jobs import JobStore, TokenEvent
 from gateway.server.results.events import NAMED_MOST, EventHub
 
 WINDOW_S = 0.01
@@ -42,10 +41,14 @@ RUN = "bench-run"
 
 
 def publish(url: str, ids: list[str], events_a_second: int, seconds: float) -> None:
-    """Token events into the streams of ids, one EMIT call a window, in turn; the text is
-    the time of the call (for the followers' latency)."""
-    client = redis.Redis.from_url(url, decode_responses=True)
-    emit = client.register_script(scripts.EMIT)
+    """Token events into the streams of ids, one EMIT call a window, in turn (the relay's
+    JobStore.emit_many); the text is the time of the call (for the followers' latency)."""
+    asyncio.run(_publish(url, ids, events_a_second, seconds))
+
+
+async def _publish(url: str, ids: list[str], events_a_second: int, seconds: float) -> None:
+    client = Redis.from_url(url, decode_responses=True)
+    jobs = JobStore(client, idempotency_ttl_s=60)
     shard = shard_of(ids[0])
     per_window = max(1, min(len(ids), round(events_a_second * WINDOW_S)))
     pieces = dict.fromkeys(ids, 0)
@@ -53,19 +56,17 @@ def publish(url: str, ids: list[str], events_a_second: int, seconds: float) -> N
     start = time.monotonic()
     next_window = start
     while time.monotonic() - start < seconds:
-        keys: list[str] = [shard.notices]
-        args: list[Any] = []
+        events = []
         sent = f"{time.time():.6f}"
         for _ in range(per_window):
             rid = ids[turn % len(ids)]
             turn += 1
-            keys += scripts.request_keys(shard, rid)
-            args += [RUN, pieces[rid], sent, 1, ""]
+            events.append(TokenEvent(rid, RUN, pieces[rid], sent, 1, []))
             pieces[rid] += 1
-        emit(keys=keys, args=args)
+        await jobs.emit_many(shard, events)
         next_window += WINDOW_S
-        time.sleep(max(0.0, next_window - time.monotonic()))
-    client.close()
+        await asyncio.sleep(max(0.0, next_window - time.monotonic()))
+    await client.aclose()
 
 
 async def follow(hub: EventHub, rid: str, latencies: list[float]) -> None:
@@ -87,12 +88,8 @@ async def measure(url: str, streams: int, named_most: int, events: int, seconds:
     async def no_record(request_id: str, entry: str) -> str:
         return "{}"
 
-    follow_script = setup.register_script(scripts.FOLLOW)
-
-    async def mark_followed(request_id: str) -> object:
-        return await follow_script(keys=[shard.request(request_id)])
-
-    hub = EventHub(clients.unblocker(), clients.reader, no_record, mark_followed, named_most=named_most)
+    jobs = JobStore(setup, idempotency_ttl_s=60)
+    hub = EventHub(clients.unblocker(), clients.reader, no_record, jobs.follow, named_most=named_most)
     latencies: list[float] = []
     followers = [asyncio.create_task(follow(hub, rid, latencies)) for rid in ids]
     while hub.followers < streams:

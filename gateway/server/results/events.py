@@ -293,7 +293,7 @@ class EventHub:
         marks) and every full_read_every_s."""
         now = asyncio.get_running_loop().time()
         if reader.notices_after is None:
-            await asyncio.gather(*(self._mark(key.rsplit(":", 1)[1]) for key in list(reader.positions)))
+            await asyncio.gather(*(self._mark(_request_of(key)) for key in list(reader.positions)))
         if reader.notices_after is None or now - reader.full_read_at >= self.full_read_every_s:
             reader.fresh.clear()
             async with connection.pipeline(transaction=False) as pipe:
@@ -341,7 +341,7 @@ class EventHub:
         """The (kind, data) of the events of an entry that names the record's results entry:
         the terminal event gets the record, an `output` event its outputs."""
         kind = fields.get("event", "")
-        record = await self.records(key.rsplit(":", 1)[1], entry)
+        record = await self.records(_request_of(key), entry)
         if kind == "output":  # (an `output` entry of its own, as FINISH wrote them before)
             return [(kind, _outputs(record))]
         return [("output", _outputs(record)), (kind, record)] if "output" in fields else [(kind, record)]
@@ -379,6 +379,11 @@ class EventHub:
             if not exists:
                 for follower in reader.followers.get(key, ()):
                     follower.queue.put_nowait(None)
+
+
+def _request_of(events_key: str) -> str:
+    """The request id of an events stream's key (Shard.events)."""
+    return events_key.rsplit(":", 1)[1]
 
 
 def _outputs(record: str) -> str:
