@@ -28,12 +28,14 @@ from pymongo import AsyncMongoClient
 from redis.asyncio import RedisCluster
 from redis.asyncio.cluster import ClusterNode
 
+from gateway.common.redis import RedisClients
 from gateway.common.settings import index_partition
 from gateway.protocol.redis_keys import Shard, all_shards, shard_for_tenant, shard_of
 from gateway.server.tenants.cli import ensure_local_key
 from gateway.stack.process import ManagedProcess, free_port, port_is_free, stop_processes, wait_until
 from gateway.stack.services import form_redis_cluster, redis_cluster_node_spec
 from tests.gateway_calls import TERMINAL, read_events, wait_all
+from tests.test_redis_connections import write_while_closed
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -263,6 +265,24 @@ async def test_a_tenants_rate_limit_is_counted_in_the_cluster(cluster: Cluster) 
     refused = answers[-1]
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited", refused.text
     assert refused.headers["x-ratelimit-limit-requests"] == "3" and refused.headers["retry-after"]
+
+
+async def test_a_write_on_a_node_connection_closed_under_it_is_a_connection_error(cluster: Cluster) -> None:
+    """The cluster client closes a node's connections, those in use too, after a failure
+    (tests/test_redis_connections.py): the nodes it reads from the slot map and the
+    plain clients of the readers make connections whose closed writes are retried."""
+    clients = RedisClients.open(
+        url="", cluster_nodes=[f"127.0.0.1:{port}" for port in cluster.nodes], timeout_s=2, max_connections=8
+    )
+    reader = await clients.reader(Shard(0))
+    try:
+        node = clients.main.get_node_from_key(Shard(0).backlog)
+        for connection in (node.acquire_connection(), reader.connection_pool.make_connection()):
+            failed = await write_while_closed(connection, wait_closed=False)
+            assert isinstance(failed, redis.exceptions.ConnectionError), repr(failed)
+    finally:
+        await reader.aclose()
+        await clients.aclose()
 
 
 # -- the index past one binder: partitions by tenant -----------------------------------------

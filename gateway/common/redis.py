@@ -22,7 +22,9 @@ One Redis (REDIS_URL) or a Redis Cluster (REDIS_CLUSTER_NODES), behind one inter
 
 Connection errors are retried a few times with backoff (the asyncio Retry class, on the
 asyncio clients): every script is idempotent, so a command replayed after a lost reply
-changes nothing more."""
+changes nothing more. A write on a connection that another task closed under it (the
+cluster client closes a node's connections after a failure) is such an error too, not the
+AttributeError or RuntimeError redis-py lets out (_ClosedWriteIsConnectionError)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import redis.retry as sync_retry
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
@@ -99,6 +102,52 @@ def _retry() -> Retry:
     return Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3)
 
 
+class _ClosedWriteIsConnectionError(AbstractConnection):
+    """A write on a connection that another task closed meanwhile is a connection error,
+    retried like one. redis-py 7 lets out what the closed writer raised instead
+    (redis/redis-py#4287): AttributeError ('NoneType' ... 'writelines') once the writer is
+    gone, or uvloop's RuntimeError ('unable to perform operation on <TCPTransport
+    closed=True>') while it closes. Either way the connection is closed by then (redis-py
+    disconnects it on any failed write). 8.x converts these itself, but is not used here
+    (pyproject.toml: a cancelled XREAD BLOCK hangs there)."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except AttributeError as exc:
+            if "'NoneType'" not in str(exc):
+                raise
+            raise RedisConnectionError(f"the connection was closed while writing to it ({exc})") from exc
+        except RuntimeError as exc:
+            if "closed" not in str(exc):
+                raise
+            raise RedisConnectionError(f"the connection was closed while writing to it ({exc})") from exc
+
+
+@functools.cache
+def _guarded(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """connection_class (TCP, TLS or Unix socket), its closed writes made connection errors."""
+    if issubclass(connection_class, _ClosedWriteIsConnectionError):
+        return connection_class
+    return type(connection_class.__name__, (_ClosedWriteIsConnectionError, connection_class), {})
+
+
+def _guard(client: Redis) -> Redis:
+    """The client, its pool making _guarded connections (none is made before the first command)."""
+    pool = client.connection_pool
+    pool.connection_class = _guarded(pool.connection_class)
+    return client
+
+
+def _guard_cluster(client: RedisCluster) -> RedisCluster:
+    """The cluster client, every node's connections _guarded: the nodes made so far and
+    those its slot map adds later (made from the same connection settings)."""
+    client.connection_kwargs["connection_class"] = _guarded(client.connection_kwargs["connection_class"])
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = _guarded(node.connection_class)
+    return client
+
+
 def connect(url: str, *, timeout_s: float, max_connections: int, blocking: bool = False) -> Redis:
     """A client whose commands fail after timeout_s (plus the block time for blocking
     readers) and whose pool holds at most max_connections (callers wait for one)."""
@@ -114,7 +163,7 @@ def connect(url: str, *, timeout_s: float, max_connections: int, blocking: bool 
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
-    return Redis.from_pool(pool)  # closing the client closes its pool
+    return _guard(Redis.from_pool(pool))  # closing the client closes its pool
 
 
 def _node(address: str) -> tuple[str, int]:
@@ -314,18 +363,20 @@ class RedisClients:
                 group=group if group_commit else None,
             )
         auth = credentials(url) if url else {}
-        main = RedisCluster(
-            startup_nodes=[ClusterNode(*_node(n)) for n in cluster_nodes],
-            **auth,
-            decode_responses=True,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=min(timeout_s, 2.0),
-            max_connections=max_connections,
-            # A failover moves slots: after a connection error the client reads the slot
-            # map again and retries (6 times, at once); past that the callers retry (the
-            # scripts are idempotent), until the replica is promoted.
-            retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=1.0), 6),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        main = _guard_cluster(
+            RedisCluster(
+                startup_nodes=[ClusterNode(*_node(n)) for n in cluster_nodes],
+                **auth,
+                decode_responses=True,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=min(timeout_s, 2.0),
+                max_connections=max_connections,
+                # A failover moves slots: after a connection error the client reads the slot
+                # map again and retries (6 times, at once); past that the callers retry (the
+                # scripts are idempotent), until the replica is promoted.
+                retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=1.0), 6),
+                retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            )
         )
         return cls(
             main=main,
@@ -368,14 +419,16 @@ class RedisClients:
     # -- plain connections to cluster nodes ------------------------------------------------
 
     def _plain(self, host: str, port: int, *, blocking: bool) -> Redis:
-        return Redis(
-            host=host,
-            port=port,
-            **self.auth,
-            decode_responses=True,
-            socket_timeout=self.timeout_s + (MAX_BLOCK_MS / 1000 if blocking else 0),
-            socket_connect_timeout=min(self.timeout_s, 2.0),
-            single_connection_client=blocking,
+        return _guard(
+            Redis(
+                host=host,
+                port=port,
+                **self.auth,
+                decode_responses=True,
+                socket_timeout=self.timeout_s + (MAX_BLOCK_MS / 1000 if blocking else 0),
+                socket_connect_timeout=min(self.timeout_s, 2.0),
+                single_connection_client=blocking,
+            )
         )
 
     def _node_client(self, host: str, port: int) -> Redis:
@@ -504,12 +557,14 @@ class RedisClients:
     async def reader(self, shard: Shard) -> Redis:
         """One connection to the Redis holding `shard`, for blocking reads."""
         if not self.cluster:
-            return Redis.from_url(
-                self.url,
-                decode_responses=True,
-                socket_timeout=self.timeout_s + MAX_BLOCK_MS / 1000,
-                socket_connect_timeout=min(self.timeout_s, 2.0),
-                single_connection_client=True,
+            return _guard(
+                Redis.from_url(
+                    self.url,
+                    decode_responses=True,
+                    socket_timeout=self.timeout_s + MAX_BLOCK_MS / 1000,
+                    socket_connect_timeout=min(self.timeout_s, 2.0),
+                    single_connection_client=True,
+                )
             )
         try:
             # A keyed command through the cluster client first: it follows a MOVED (the
