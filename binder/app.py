@@ -32,7 +32,7 @@ from binder.webhooks.secrets import TenantSecrets
 from gateway.common.logs import configure_logging
 from gateway.common.redis import MAX_BLOCK_MS, RedisClients
 from gateway.common.result_store import ResultStore
-from gateway.common.retry import LoopHealth, supervise
+from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.protocol.records import TENANTS_COLLECTION
 
 log = logging.getLogger(__name__)
@@ -135,9 +135,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             await sender.close()
             await follower.close()
             await mongo.close()

@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
@@ -29,6 +30,25 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], *, again_after_s: float = 1.0) -> None:
+    """Cancel the tasks (the long-running loops of a process that stops) and wait until
+    every one has ended. A task still running again_after_s after its cancellation is
+    cancelled again: on Python 3.11 an await can swallow a cancellation
+    (raise_if_cancelled), and a loop that goes on would keep the process from stopping;
+    its next await takes the next cancellation. Their errors are taken here, not logged
+    as never retrieved."""
+    pending = {task for task in tasks if not task.done()}
+    ended: list[asyncio.Task[Any]] = []
+    while pending:
+        for task in pending:
+            task.cancel()
+        done, pending = await asyncio.wait(pending, timeout=again_after_s)
+        ended += done
+    for task in ended:
+        if not task.cancelled():
+            task.exception()
 
 
 def _transient(exc: BaseException) -> bool:

@@ -22,7 +22,7 @@ from pymongo import AsyncMongoClient
 from gateway.common.logs import configure_logging
 from gateway.common.redis import RedisClients
 from gateway.common.result_store import ResultStore
-from gateway.common.retry import LoopHealth, supervise
+from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.protocol import ResultRecord
 from gateway.server import spine
 from gateway.server.api import admin, events, operations, results, search
@@ -294,9 +294,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             yield
         finally:
             log.info("gateway stopping: draining running requests (up to %.0fs)", settings.drain_s)
-            for task in loops:
-                task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await cancel_and_wait(loops)
             await svc.batch_runner.close()
             await dispatcher.stop()
             try:
@@ -306,9 +304,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             await hub.close()
             await notifier.close()
             await loads.close()
-            for task in list(side_tasks):
-                task.cancel()
-            await asyncio.gather(*side_tasks, return_exceptions=True)
+            await cancel_and_wait(list(side_tasks))
             if discovery is not None:
                 await discovery.stop()
             await pool.close()

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from gateway.common.retry import raise_if_cancelled
+from gateway.common.retry import cancel_and_wait, raise_if_cancelled
 
 
 async def serve(calls: asyncio.Queue[asyncio.Future[None]], *, checks: bool) -> None:
@@ -54,3 +54,15 @@ async def test_a_loop_that_checks_ends_when_cancelled_even_if_its_call_swallowed
         async with asyncio.timeout(5):
             await task
     assert calls.empty()  # no call made after the cancellation
+
+
+async def test_cancel_and_wait_ends_a_loop_whose_call_swallowed_its_cancellation() -> None:
+    """How a stopping process ends its loops: a loop that went on after its cancellation
+    is cancelled again in its next call."""
+    calls: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
+    task = asyncio.create_task(serve(calls, checks=False))
+    (await calls.get()).set_result(None)  # the call completes ...
+    async with asyncio.timeout(5):
+        await cancel_and_wait([task], again_after_s=0.05)  # ... and its task is cancelled before it resumes
+    assert task.cancelled()
+    assert calls.qsize() <= 1  # at most the call the loop went on to, then cancelled in

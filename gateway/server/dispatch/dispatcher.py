@@ -29,7 +29,7 @@ from typing import Any
 
 from gateway.common.logs import bind_request_ids
 from gateway.common.redis import REDIS_OUTAGE, RedisClients
-from gateway.common.retry import LoopHealth, supervise
+from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.protocol import ResultRecord, State
 from gateway.protocol.redis_keys import CANCEL_CHANNEL, WORK_CHANNEL, Shard
 from gateway.server import spine
@@ -108,9 +108,7 @@ class Dispatcher:
         """Stop taking work; let running requests finish for up to drain_s (their leases
         still renewed); hand the rest on to other gateways at once."""
         self._accepting = False
-        for task in self._loops.values():
-            task.cancel()
-        await asyncio.gather(*self._loops.values(), return_exceptions=True)
+        await cancel_and_wait(self._loops.values())
         drain = self.settings.drain_s if drain_s is None else drain_s
         tasks = [r.task for r in self.running.values() if r.task]
         if tasks:

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from gateway.common.retry import LoopHealth, supervise
+from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.replicas.pool import ReplicaPool
 from gateway.server.settings import GatewaySettings
@@ -85,8 +85,7 @@ class ReplicaDiscovery:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
 
     async def _run(self) -> None:
         while True:

@@ -35,7 +35,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from gateway.common.retry import LoopHealth, supervise
+from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.common.streams import stream_id_order
 from gateway.protocol import EventKind
 from gateway.protocol.redis_keys import Shard, shard_of
@@ -161,10 +161,7 @@ class EventHub:
 
     async def close(self) -> None:
         self._closed = True
-        for reader in self._readers.values():
-            if reader.task:
-                reader.task.cancel()
-        await asyncio.gather(*(r.task for r in self._readers.values() if r.task), return_exceptions=True)
+        await cancel_and_wait(r.task for r in self._readers.values() if r.task)
         for reader in self._readers.values():
             for followers in reader.followers.values():
                 for follower in followers:

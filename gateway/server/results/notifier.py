@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 from gateway.common.redis import RedisClients
-from gateway.common.retry import LoopHealth, supervise
+from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.protocol.redis_keys import DONE_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,7 @@ class CompletionNotifier:
 
     async def close(self) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
 
     async def _listen(self) -> None:
         try:
