@@ -4,9 +4,12 @@ process publishes token events into them through the real EMIT script, as a gate
 relay does (one call a window of 10 ms, one event for each stream that has a token in
 it), on a Redis of its own (the stack's settings).
 
-The event rate is the same in every row (`--events` a second, spread over the streams in
-turn), so a row's figures differ by the number of streams followed only. Each row: this
-process's CPU an event (the hub, and the followers taking their events off their
+The followers come at once, each stream holding one event already: a row first says how
+long after the first follower came the last one had that event ("a burst settled in"),
+and what the burst cost Redis (its commands a follower: FOLLOW, the interrupts of the
+blocked read, the reads). The event rate is the same in every row (`--events` a second,
+spread over the streams in turn), so a row's figures differ by the number of streams
+followed only. Each row: this process's CPU an event (the hub, and the followers taking their events off their
 queues), Redis's CPU an event (INFO cpu), its commands an event and the costliest of
 them (INFO commandstats), and the time from the EMIT call to a follower holding the event
 (p50, p99).
@@ -69,10 +72,12 @@ async def _publish(url: str, ids: list[str], events_a_second: int, seconds: floa
     await client.aclose()
 
 
-async def follow(hub: EventHub, rid: str, latencies: list[float]) -> None:
+async def follow(hub: EventHub, rid: str, latencies: list[float], arrived: list[float]) -> None:
     async for event in hub.follow(rid, "0-0"):
         if event.kind == "token":
             latencies.append(time.time() - float(json.loads(event.data)["text_output"]))
+        else:  # the event the stream held before its follower came
+            arrived.append(time.monotonic())
 
 
 async def measure(url: str, streams: int, named_most: int, events: int, seconds: float) -> dict[str, Any]:
@@ -82,19 +87,24 @@ async def measure(url: str, streams: int, named_most: int, events: int, seconds:
     async with setup.pipeline(transaction=False) as pipe:
         for rid in ids:
             pipe.hset(shard.request(rid), mapping={"state": "running", "run": RUN, "emitted": 0})
+            pipe.xadd(shard.events(rid), {"event": "running", "data": "{}"})
         await pipe.execute()
     clients = RedisClients.open(url=url, cluster_nodes=[], timeout_s=5.0, max_connections=8)
 
     async def no_record(request_id: str, entry: str) -> str:
         return "{}"
 
-    jobs = JobStore(setup, idempotency_ttl_s=60)
+    jobs = JobStore(clients.main, idempotency_ttl_s=60, replication=clients)  # FOLLOW as the gateway sends it
     hub = EventHub(clients.unblocker(), clients.reader, no_record, jobs.follow, named_most=named_most)
     latencies: list[float] = []
-    followers = [asyncio.create_task(follow(hub, rid, latencies)) for rid in ids]
-    while hub.followers < streams:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.5 + streams / 1000)  # the hub's first read of every stream
+    arrived: list[float] = []
+    burst_before, came = RedisSample.at(url), time.monotonic()
+    followers = [asyncio.create_task(follow(hub, rid, latencies, arrived)) for rid in ids]
+    async with asyncio.timeout(120):
+        while len(arrived) < streams:
+            await asyncio.sleep(0.005)
+    settled_ms = (max(arrived) - came) * 1e3
+    burst = RedisWindow.between(burst_before, RedisSample.at(url))
     publisher = multiprocessing.get_context("spawn").Process(target=publish, args=(url, ids, events, seconds))
     redis_before = RedisSample.at(url)
     cpu_before = time.process_time()
@@ -117,6 +127,8 @@ async def measure(url: str, streams: int, named_most: int, events: int, seconds:
     latencies.sort()
     costliest = [(name, usec / max(received, 1)) for name, usec in window.usec.most_common(3)]
     return {
+        "settled_ms": settled_ms,
+        "burst_commands": sum(burst.calls.values()) / streams,
         "received": received,
         "cpu_us": cpu * 1e6 / max(received, 1),
         "redis_us": window.cpu_s * 1e6 / max(received, 1),
@@ -130,9 +142,10 @@ async def measure(url: str, streams: int, named_most: int, events: int, seconds:
 async def main(args: argparse.Namespace) -> None:
     print(f"Events: {args.events} a second for {args.seconds:.0f} s, one EMIT a window of {WINDOW_S * 1e3:.0f} ms")
     print()
-    print("| streams followed | the hub reads | events received | hub process CPU µs an event | Redis CPU µs an event "
+    print("| streams followed | the hub reads | a burst settled in ms | Redis commands a follower "
+          "| events received | hub process CPU µs an event | Redis CPU µs an event "
           "| Redis commands an event | the costliest (µs an event) | latency p50 ms | p99 ms |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     with lone_redis("bench-event-hub") as url:
         for _ in range(args.rounds):
             for streams in args.streams:
@@ -141,7 +154,8 @@ async def main(args: argparse.Namespace) -> None:
                     r = await measure(url, streams, named_most, args.events, args.seconds)
                     costliest = ", ".join(f"{name} {usec:.1f}" for name, usec in r["costliest"])
                     read = way if way != "as set" else ("named" if streams <= NAMED_MOST else "by notices")
-                    print(f"| {streams} | {read} | {r['received']:.0f} | {r['cpu_us']:.1f} | {r['redis_us']:.1f} "
+                    print(f"| {streams} | {read} | {r['settled_ms']:.0f} | {r['burst_commands']:.1f} "
+                          f"| {r['received']:.0f} | {r['cpu_us']:.1f} | {r['redis_us']:.1f} "
                           f"| {r['commands']:.2f} | {costliest} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |")  # fmt: skip
 
 

@@ -254,3 +254,69 @@ async def test_a_hub_that_passes_named_most_streams_goes_on_by_notices_losing_no
     assert await one.has(3) == ["queued", "running", "token"]
     assert await two.has(3) == ["queued", "running", "token"]
     assert {SHARD.notices} in log.reads
+
+
+def counted_unblocks(client: Redis) -> list[int]:
+    """The CLIENT UNBLOCKs sent through `client` (the hub's: they interrupt its readers)."""
+    unblocked: list[int] = []
+    unblock = client.client_unblock
+
+    async def counted(client_id: int, *args: Any, **kwargs: Any) -> Any:
+        unblocked.append(client_id)
+        return await unblock(client_id, *args, **kwargs)
+
+    client.client_unblock = counted  # type: ignore[method-assign]
+    return unblocked
+
+
+async def test_a_burst_of_followers_interrupts_the_blocked_reader_once(
+    client: Redis, store: JobStore, hubs: Any
+) -> None:
+    """Followers that come before the reader's next read are all in that read: one CLIENT
+    UNBLOCK for them, not one each (a round trip each, and a read each)."""
+    unblocked = counted_unblocks(client)
+    hub = hubs(named_most=100)
+    first, *burst = await submitted(store, 11)
+    assert await Follower(hub, first).has(1) == ["queued"]  # the reader now blocks on its stream
+    before = len(unblocked)
+    followers = [Follower(hub, rid) for rid in burst]
+    for follower in followers:
+        assert await follower.has(1) == ["queued"]
+    assert len(unblocked) - before == 1
+
+
+async def test_switching_to_notices_marks_again_only_the_requests_not_marked_yet(store: JobStore, hubs: Any) -> None:
+    """The followers past named_most mark their requests themselves; the reader, switching
+    to notices, marks only those followed before (each request once)."""
+    hub = hubs(named_most=2)
+    marks: list[str] = []
+    follow = hub.mark_followed
+
+    async def counted(request_id: str, notice: bool = False) -> bool:
+        marks.append(request_id)
+        return await follow(request_id, notice)
+
+    hub.mark_followed = counted
+    ids = await submitted(store, 7)
+    for rid in ids[:2]:  # named: not marked
+        assert await Follower(hub, rid).has(1) == ["queued"]
+    followers = [Follower(hub, rid) for rid in ids[2:]]  # past named_most, at once
+    for follower in followers:
+        assert await follower.has(1) == ["queued"]
+    assert sorted(marks) == sorted(ids)
+
+
+async def test_by_notices_a_new_follower_is_read_without_interrupting_the_reader(
+    client: Redis, store: JobStore, hubs: Any
+) -> None:
+    """FOLLOW names a new follower's request in the notices, which wakes the reader blocked
+    on them: no CLIENT UNBLOCK a follower."""
+    unblocked = counted_unblocks(client)
+    hub = hubs(named_most=1)
+    first, second, third = await submitted(store, 3)
+    for rid in (first, second):  # the second passes named_most: the reader goes by notices
+        assert await Follower(hub, rid).has(1) == ["queued"]
+    interrupts = len(unblocked)
+    assert await Follower(hub, third).has(1) == ["queued"]  # (no periodic full read: NEVER_S)
+    assert len(unblocked) == interrupts
+    assert [third] in await notices(client)  # FOLLOW's: no script wrote an event of it since

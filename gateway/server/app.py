@@ -190,7 +190,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             clients.unblocker(),
             clients.reader,
             lambda request_id, entry: reader.record_json(request_id, entry),
-            lambda request_id: spine.follow(jobs, request_id),
+            lambda request_id, notice: spine.follow(jobs, request_id, notice),
         )
         binders = BinderClient(settings.binder_urls, http, partitions=settings.index_partitions)
         side_tasks: set[asyncio.Task[None]] = set()

@@ -342,10 +342,11 @@ async def standing(jobs: JobStore, request_id: str) -> QueueStanding | None:
     return await jobs.queue_position(request_id)
 
 
-async def follow(jobs: JobStore, request_id: str) -> bool:
+async def follow(jobs: JobStore, request_id: str, notice: bool) -> bool:
     """FOLLOW: an event hub follows the request's events; the scripts that write them
-    name it in the shard's notices from now on (False: the request is not there)."""
-    return await jobs.follow(request_id)
+    name it in the shard's notices from now on, and with notice FOLLOW names it there
+    now (a new follower: the hub's reader wakes to read it). False: the request is not there."""
+    return await jobs.follow(request_id, notice=notice)
 
 
 async def record_at(jobs: JobStore, shard: Shard, entry: str) -> str | None:

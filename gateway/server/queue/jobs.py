@@ -547,10 +547,13 @@ class JobStore:
             Emitted(str(reply[i]), str(reply[i + 1] or ""), int(reply[i + 2] or 0)) for i in range(0, len(reply), 3)
         ]
 
-    async def follow(self, request_id: str) -> bool:
+    async def follow(self, request_id: str, notice: bool = False) -> bool:
         """Have the scripts that write the request's events name it in its shard's notices
-        (an event hub follows it); False when the request is not there."""
-        return bool(await self._follow(keys=[shard_of(request_id).request(request_id)]))
+        (an event hub follows it), and with notice, name it there now (a new follower);
+        False when the request is not there."""
+        shard = shard_of(request_id)
+        keys = [shard.request(request_id), shard.notices]
+        return bool(await self._follow(keys=keys, args=[request_id if notice else ""]))
 
     async def renew(self, shard: Shard, consumer: str, runs: list[tuple[str, str]]) -> list[int]:
         """Renew the leases of (request id, run token) runs in a shard: per run 1 still

@@ -784,12 +784,16 @@ def read_keys(shard: Shard, request_id: str) -> list[str]:
     return [shard.request(request_id), shard.results, shard.started]
 
 
-# KEYS[1]: the request hash.
+# KEYS[1]: the request hash, KEYS[2]: the shard's notices.  ARGV: the request's id to name
+# in the notices at once ('' = none).
 # A process's event hub follows the request's events: the scripts that write them name it
-# in the shard's notices from now on (_NOTICES). Never re-creates a hash that has expired.
-FOLLOW = """
+# in the shard's notices from now on (_NOTICES). A new follower has it named at once too:
+# the hub's reader, blocked on the notices, wakes and reads the stream from the start,
+# without being interrupted (results/events.py). Never re-creates a hash that has expired.
+FOLLOW = f"""
 if redis.call('HEXISTS', KEYS[1], 'state') == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'followed', '1')
+if ARGV[1] ~= '' then redis.call('XADD', KEYS[2], 'MAXLEN', '~', {NOTICES_KEPT}, '*', 'ids', ARGV[1]) end
 return 1
 """
 

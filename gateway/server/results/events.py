@@ -1,6 +1,7 @@
 """Server-Sent Events from the requests' event streams, with one Redis reader per shard
-and process, so a thousand SSE clients cost one connection per shard. A new client
-interrupts the blocked read (CLIENT UNBLOCK) so its stream is read at once.
+and process, so a thousand SSE clients cost one connection per shard. A new client's
+stream is read at once: a reader blocked on the notices is woken by the notice FOLLOW
+writes for it; otherwise the new client interrupts the blocked read (CLIENT UNBLOCK).
 
 How the reader waits depends on how many streams of the shard it follows:
 - up to NAMED_MOST, a single XREAD BLOCK names them all and returns with whatever was
@@ -127,6 +128,10 @@ class _ShardReader:
     full_read_at: float = 0.0
     fresh: set[str] = field(default_factory=set)
     again: set[str] = field(default_factory=set)
+    # The streams whose requests were marked followed since the reader connected.
+    marked: set[str] = field(default_factory=set)
+    # Whether the reader reads by notices now (a notice wakes it; no interrupt needed).
+    by_notices: bool = False
 
 
 class EventHub:
@@ -135,7 +140,7 @@ class EventHub:
         redis: Redis,
         connect_reader: Callable[[Shard], Awaitable[Redis]],
         records: Callable[[str, str], Awaitable[str]],
-        mark_followed: Callable[[str], Awaitable[object]],
+        mark_followed: Callable[[str, bool], Awaitable[bool]],
         *,
         max_followers: int = 10_000,
         named_most: int = NAMED_MOST,
@@ -144,7 +149,8 @@ class EventHub:
         """connect_reader(shard) gives a client of one connection to the Redis that holds
         the shard, for blocking reads (its id can be unblocked); records(request id,
         results entry) gives a record (from Redis, or MongoDB once stored);
-        mark_followed(request id) has the scripts name the request in its shard's notices
+        mark_followed(request id, notice) has the scripts name the request in its shard's
+        notices, and with notice names it there now; False if the request is gone
         (spine.follow)."""
         self.redis = redis  # for checks
         self.connect_reader = connect_reader
@@ -200,9 +206,17 @@ class EventHub:
             if len(reader.positions) > self.named_most:  # read by notices (below it, no need)
                 # Marked before its stream is read: what is written before the mark, that
                 # read finds; what after, a notice names (the reader follows it already).
-                await self._mark(request_id)
+                # The mark's own notice wakes a reader blocked on the notices to read it.
+                by_notices = reader.by_notices
+                reader.marked.add(follower.key)  # (a switch to notices meanwhile need not mark it again)
+                noticed = await self._mark(request_id, notice=by_notices)
+                if not noticed:
+                    reader.marked.discard(follower.key)
                 reader.fresh.add(follower.key)
-            await self._interrupt(reader)
+                if not (noticed and by_notices):
+                    await self._interrupt(reader)
+            else:
+                await self._interrupt(reader)
             waiting = idle_s is not None
             while True:
                 if waiting:
@@ -229,6 +243,7 @@ class EventHub:
                     reader.positions.pop(follower.key, None)
                     reader.fresh.discard(follower.key)
                     reader.again.discard(follower.key)
+                    reader.marked.discard(follower.key)
 
     def _reader(self, shard: Shard) -> _ShardReader:
         reader = self._readers.get(shard.index)
@@ -240,7 +255,11 @@ class EventHub:
         return reader
 
     async def _interrupt(self, reader: _ShardReader) -> None:
-        """Make the blocked XREAD return so the next one includes the new stream."""
+        """Make the blocked XREAD return so the next one includes the new stream: once for
+        the followers that come before the reader begins its next read, which includes
+        them all (a burst of SSE clients costs one round trip, not one each)."""
+        if reader.changed.is_set():
+            return
         reader.changed.set()
         if reader.connection_id is not None:
             try:
@@ -255,6 +274,7 @@ class EventHub:
         try:
             reader.connection_id = await connection.client_id()
             reader.notices_after = None  # (re)connected: every stream is read first
+            reader.by_notices = False
             while True:
                 if not reader.followers:
                     reader.changed.clear()
@@ -263,6 +283,7 @@ class EventHub:
                 reader.changed.clear()
                 if len(reader.positions) <= self.named_most:
                     reader.notices_after = None
+                    reader.by_notices = False
                     reader.fresh.clear()  # (this read names them all)
                     await self._deliver(
                         reader, await connection.xread(dict(reader.positions), count=COUNT, block=BLOCK_MS)
@@ -275,13 +296,16 @@ class EventHub:
         finally:
             reader.connection_id = None
             reader.connection = None
+            reader.marked.clear()  # a failover may have lost them: marked again when back
             await connection.aclose()
 
-    async def _mark(self, request_id: str) -> None:
+    async def _mark(self, request_id: str, *, notice: bool = False) -> bool:
+        """Whether the request was marked (and, with notice, named in the notices now)."""
         try:
-            await self.mark_followed(request_id)
+            return await self.mark_followed(request_id, notice)
         except Exception as exc:  # its events come later, not never: every stream is read every full_read_every_s
             log.debug("marking %s followed failed: %s", request_id, exc)
+            return False
 
     async def _read_noticed(self, reader: _ShardReader, connection: Redis) -> None:
         """Wait for the shard's notices, then read the streams they name (and those followed
@@ -289,8 +313,11 @@ class EventHub:
         those followed while the streams were few were not, and a failover may have lost
         marks) and every full_read_every_s."""
         now = asyncio.get_running_loop().time()
+        reader.by_notices = True
         if reader.notices_after is None:
-            await asyncio.gather(*(self._mark(_request_of(key)) for key in list(reader.positions)))
+            unmarked = [key for key in reader.positions if key not in reader.marked]
+            reader.marked.update(unmarked)
+            await asyncio.gather(*(self._mark(_request_of(key)) for key in unmarked))
         if reader.notices_after is None or now - reader.full_read_at >= self.full_read_every_s:
             reader.fresh.clear()
             async with connection.pipeline(transaction=False) as pipe:
