@@ -128,7 +128,8 @@ class _ShardReader:
     full_read_at: float = 0.0
     fresh: set[str] = field(default_factory=set)
     again: set[str] = field(default_factory=set)
-    # The streams whose requests were marked followed since the reader connected.
+    # The streams whose requests are marked followed (or being marked) since the reader's
+    # connection last ended: a failover may have lost the marks made before.
     marked: set[str] = field(default_factory=set)
     # Whether the reader reads by notices now (a notice wakes it; no interrupt needed).
     by_notices: bool = False
@@ -317,7 +318,8 @@ class EventHub:
         if reader.notices_after is None:
             unmarked = [key for key in reader.positions if key not in reader.marked]
             reader.marked.update(unmarked)
-            await asyncio.gather(*(self._mark(_request_of(key)) for key in unmarked))
+            marked = await asyncio.gather(*(self._mark(_request_of(key)) for key in unmarked))
+            reader.marked.difference_update(key for key, ok in zip(unmarked, marked, strict=True) if not ok)
         if reader.notices_after is None or now - reader.full_read_at >= self.full_read_every_s:
             reader.fresh.clear()
             async with connection.pipeline(transaction=False) as pipe:
