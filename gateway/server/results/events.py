@@ -131,8 +131,6 @@ class _ShardReader:
     # The streams whose requests are marked followed (or being marked) since the reader's
     # connection last ended: a failover may have lost the marks made before.
     marked: set[str] = field(default_factory=set)
-    # Whether the reader reads by notices now (a notice wakes it; no interrupt needed).
-    by_notices: bool = False
 
 
 class EventHub:
@@ -208,7 +206,7 @@ class EventHub:
                 # Marked before its stream is read: what is written before the mark, that
                 # read finds; what after, a notice names (the reader follows it already).
                 # The mark's own notice wakes a reader blocked on the notices to read it.
-                by_notices = reader.by_notices
+                by_notices = reader.notices_after is not None  # (a notice wakes it: no interrupt needed)
                 reader.marked.add(follower.key)  # (a switch to notices meanwhile need not mark it again)
                 noticed = await self._mark(request_id, notice=by_notices)
                 if not noticed:
@@ -275,7 +273,6 @@ class EventHub:
         try:
             reader.connection_id = await connection.client_id()
             reader.notices_after = None  # (re)connected: every stream is read first
-            reader.by_notices = False
             while True:
                 if not reader.followers:
                     reader.changed.clear()
@@ -284,7 +281,6 @@ class EventHub:
                 reader.changed.clear()
                 if len(reader.positions) <= self.named_most:
                     reader.notices_after = None
-                    reader.by_notices = False
                     reader.fresh.clear()  # (this read names them all)
                     await self._deliver(
                         reader, await connection.xread(dict(reader.positions), count=COUNT, block=BLOCK_MS)
@@ -314,7 +310,6 @@ class EventHub:
         those followed while the streams were few were not, and a failover may have lost
         marks) and every full_read_every_s."""
         now = asyncio.get_running_loop().time()
-        reader.by_notices = True
         if reader.notices_after is None:
             unmarked = [key for key in reader.positions if key not in reader.marked]
             reader.marked.update(unmarked)
