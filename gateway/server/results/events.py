@@ -205,12 +205,9 @@ class EventHub:
             if len(reader.positions) > self.named_most:  # read by notices (below it, no need)
                 # Marked before its stream is read: what is written before the mark, that
                 # read finds; what after, a notice names (the reader follows it already).
-                # The mark's own notice wakes a reader blocked on the notices to read it.
-                by_notices = reader.notices_after is not None  # (a notice wakes it: no interrupt needed)
-                reader.marked.add(follower.key)  # (a switch to notices meanwhile need not mark it again)
-                noticed = await self._mark(request_id, notice=by_notices)
-                if not noticed:
-                    reader.marked.discard(follower.key)
+                # A reader blocked on the notices is woken by the mark's own notice.
+                by_notices = reader.notices_after is not None
+                noticed = await self._mark(reader, follower.key, notice=by_notices)
                 reader.fresh.add(follower.key)
                 if not (noticed and by_notices):
                     await self._interrupt(reader)
@@ -296,13 +293,19 @@ class EventHub:
             reader.marked.clear()  # a failover may have lost them: marked again when back
             await connection.aclose()
 
-    async def _mark(self, request_id: str, *, notice: bool = False) -> bool:
-        """Whether the request was marked (and, with notice, named in the notices now)."""
+    async def _mark(self, reader: _ShardReader, key: str, *, notice: bool = False) -> bool:
+        """Mark the request of a followed stream (with notice, name it in the notices now);
+        whether it was. It counts as marked while it is being marked, so a switch to
+        notices meanwhile does not mark it again."""
+        reader.marked.add(key)
         try:
-            return await self.mark_followed(request_id, notice)
+            marked = await self.mark_followed(_request_of(key), notice)
         except Exception as exc:  # its events come later, not never: every stream is read every full_read_every_s
-            log.debug("marking %s followed failed: %s", request_id, exc)
-            return False
+            log.debug("marking %s followed failed: %s", key, exc)
+            marked = False
+        if not marked:
+            reader.marked.discard(key)
+        return marked
 
     async def _read_noticed(self, reader: _ShardReader, connection: Redis) -> None:
         """Wait for the shard's notices, then read the streams they name (and those followed
@@ -312,9 +315,7 @@ class EventHub:
         now = asyncio.get_running_loop().time()
         if reader.notices_after is None:
             unmarked = [key for key in reader.positions if key not in reader.marked]
-            reader.marked.update(unmarked)
-            marked = await asyncio.gather(*(self._mark(_request_of(key)) for key in unmarked))
-            reader.marked.difference_update(key for key, ok in zip(unmarked, marked, strict=True) if not ok)
+            await asyncio.gather(*(self._mark(reader, key) for key in unmarked))
         if reader.notices_after is None or now - reader.full_read_at >= self.full_read_every_s:
             reader.fresh.clear()
             async with connection.pipeline(transaction=False) as pipe:
