@@ -37,7 +37,8 @@ from gateway.protocol.redis_keys import BINDER_GROUP, Shard, all_shards, shard_o
 log = logging.getLogger(__name__)
 
 # Mark the live state as stored (never re-creating a request hash that has expired) and
-# let it go RESULTS_KEEP_S later: from then on every read is answered from MongoDB (a
+# let it go RESULTS_KEEP_S later (meanwhile polls read Redis's copy as stored: the
+# gateway's results/reader.py): from then on every read is answered from MongoDB (a
 # result, an SSE replay of the final record), so a finished request leaves nothing of its
 # own in Redis. FINISH gives the live state no expiry (the binder gives it one here, or
 # LIVE_STATE_TTL_S when the result is dead-lettered). KEYS: each request's hash then its

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from datetime import datetime, timedelta
 
 from tests.gateway_calls import submit, wait_result
 from tests.triton_requests import png_bytes
@@ -94,13 +95,33 @@ async def test_an_image_search_outside_the_clip_space_is_422(http) -> None:
     assert response.json()["error"]["code"] == "unknown_space"
 
 
-async def test_the_result_is_read_from_mongodb_once_stored(http, mongo, stack) -> None:
-    request_id = await submit(http, {"model": "clip_text", "inputs": {"text": "stored"}})
+async def _until_stored(http, request_id: str) -> dict:
     await wait_result(http, request_id)
     deadline = time.monotonic() + 10
     while not (record := (await http.get(f"/results/{request_id}")).json())["stored"]:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
+    return record
+
+
+async def test_a_stored_result_reads_as_stored_and_mongodb_holds_it(http, mongo, stack) -> None:
+    request_id = await submit(http, {"model": "clip_text", "inputs": {"text": "stored"}})
+    record = await _until_stored(http, request_id)
     assert record["expires_at"] is not None
     document = await mongo["triton_gateway"]["results"].find_one({"_id": request_id})
     assert document["status"] == "succeeded" and document["stored"] is True
+
+
+async def test_polls_of_a_result_just_stored_read_redis_not_mongodb(http, mongo) -> None:
+    request_id = await submit(http, {"model": "clip_text", "inputs": {"text": "polled after storing"}})
+    await _until_stored(http, request_id)
+    results = mongo["triton_gateway"]["results"]
+    document = await results.find_one({"_id": request_id})
+    # A mark only MongoDB's copy has: a poll that read MongoDB would show it.
+    await results.update_one({"_id": request_id}, {"$set": {"metadata": {"read_from": "mongodb"}}})
+    for params in ({}, {"wait": "5"}):  # a poll and a long-poll
+        record = (await http.get(f"/results/{request_id}", params=params)).json()
+        assert record["metadata"] == {}, params
+        assert record["stored"] is True and record["status"] == document["status"] == "succeeded"
+        expires_at = datetime.fromisoformat(record["expires_at"])  # as MongoDB holds it (to its ms)
+        assert abs(expires_at - document["expires_at"]) < timedelta(milliseconds=1)

@@ -153,9 +153,13 @@ class ResultStore:
 
     # -- writing (binder) -------------------------------------------------------------
 
+    def as_stored(self, record: ResultRecord) -> ResultRecord:
+        """The record as storing makes it: marked stored, with its expiry (its webhook's
+        outcome, where it has one, comes later: set_webhook_status)."""
+        return record.model_copy(update={"stored": True, "expires_at": expiry_of(record, self.retention)})
+
     def document(self, record: ResultRecord) -> dict[str, Any]:
-        stored = record.model_copy(update={"stored": True, "expires_at": expiry_of(record, self.retention)})
-        return record_to_document(stored)
+        return record_to_document(self.as_stored(record))
 
     def encoded(self, record: ResultRecord) -> RawBSONDocument:
         """The record's document as BSON, encoded once here (insert_many sends it as it

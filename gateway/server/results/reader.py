@@ -1,7 +1,14 @@
 """Reading a request's outcome: its live state in Redis while it runs, its final record
-from Redis until the binder has stored it, the stored MongoDB record after that, and a
-clear "expired" after retention. Every read is scoped to the caller's tenant: another
-tenant's request reads as unknown (404), so existence does not leak."""
+from Redis while Redis keeps it (until RESULTS_KEEP_S after the binder stored it), the
+stored MongoDB record after that, and a clear "expired" after retention. Every read is
+scoped to the caller's tenant: another tenant's request reads as unknown (404), so
+existence does not leak.
+
+A result the binder has stored reads as MongoDB holds it (`stored`, `expires_at`), but
+from Redis's copy while Redis keeps it: what storing adds is known here, and the polls
+that follow a request's end (a client polling every second, or a burst of them after a
+burst of requests) then cost MongoDB nothing. A request with a webhook is the exception:
+MongoDB holds its delivery's outcome."""
 
 from __future__ import annotations
 
@@ -113,13 +120,22 @@ class ResultReader:
             return None
         return job
 
+    def kept_as_stored(self, end: str | None) -> ResultRecord | None:
+        """A stored request's record as MongoDB holds it, from Redis's copy while Redis
+        keeps it; None for a request with a webhook (MongoDB has its outcome) or once
+        Redis's copy is gone."""
+        if end is None:
+            return None
+        record = ResultRecord.model_validate_json(end)  # (FINISH emptied the job's payload)
+        return self.store.as_stored(record) if record.webhook is None else None
+
     async def get(self, request_id: str, tenant: str | None = None) -> Outcome:
         job, end, standing = await spine.read(self.jobs, request_id)
         if job is not None and (tenant is None or job.tenant == tenant):
             if not job.state.terminal:
                 return self.live(job, standing)
-            if job.stored:  # the stored record also carries the webhook outcome
-                stored = await self.store.get(request_id, tenant)
+            if job.stored:
+                stored = self.kept_as_stored(end) or await self.store.get(request_id, tenant)
                 if stored is not None:
                     return stored
             if end:
@@ -165,13 +181,16 @@ class ResultReader:
 
     async def get_json(self, request_id: str, tenant: str | None = None) -> tuple[bool, str, State]:
         """As get(), as JSON: (ended, the record's or live state's JSON, state). The record
-        of a request that ended is passed on as Redis holds it, never parsed again."""
+        of a request that ended is passed on as Redis holds it, never parsed again (once
+        stored, parsed once here to add what storing adds: kept_as_stored)."""
         job, end, standing = await spine.read(self.jobs, request_id)
         if job is not None and (tenant is None or job.tenant == tenant):
             if not job.state.terminal:
                 return False, self.live(job, standing).model_dump_json(), job.state
             if end is not None and not job.stored:
                 return True, end, job.state
+            if job.stored and (kept := self.kept_as_stored(end)) is not None:
+                return True, kept.model_dump_json(), kept.status
         outcome = await self.get(request_id, tenant)
         return is_final(outcome), outcome.model_dump_json(), outcome.status
 
