@@ -41,10 +41,12 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 from bench.cpu import ProcessCpu
 from bench.gateway_bench import INPUTS, Gateways, Samples, closed_loop, direct_call, ratio, row, sync_call
 from bench.stack import ROOT, local_stack
+from gateway.server.models.registry import LOCAL_PROFILE
 from gateway.stack.process import ManagedProcess, ServiceSpec, free_port
 from gateway.stack.stack import LocalStack
 
-OUTPUTS = {"clip_text": "text_embeds", "text_embed": "embedding"}
+# The text embedding models of the local profile, by name: their output tensor's name.
+OUTPUTS = {spec.name: spec.output for spec in LOCAL_PROFILE if spec.kind == "embedding" and spec.input == "text"}
 
 
 def create_app() -> Any:
