@@ -39,6 +39,7 @@ from pydantic import Field, StringConstraints, model_validator
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import Usage
+from gateway.protocol.storable import StorableDict
 from gateway.server.llm.detokenizer import Detokenizer
 from gateway.server.llm.stops import StopMatcher
 from gateway.server.llm.tokenizer import ChatTemplateError, LlmTokenizer, word_list
@@ -88,7 +89,7 @@ class ChatMessage(Strict):
 class FunctionDefinition(Strict):
     name: Name
     description: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    parameters: StorableDict | None = None  # a JSON schema of the arguments (stored with the record)
     strict: bool | None = None
 
 

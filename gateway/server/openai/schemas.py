@@ -8,7 +8,9 @@ naming the first field, at any depth, that is set to something other than a neut
 has that this gateway does not serve get a sentence saying why (UNSUPPORTED); any other
 field is not a parameter of the endpoint, as OpenAI itself answers for unknown ones. The
 fields declared below are honoured (some only for some models or values: the routes check
-those). Known fields are typed strictly: "stream": "yes" or "max_tokens": true is refused."""
+those). Known fields are typed strictly: "stream": "yes" or "max_tokens": true is refused.
+Free-form JSON (tool parameters, schemas, items given back) is refused with
+`unstorable_number` where it holds a number storage cannot hold (gateway.protocol.storable)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
 
+from gateway.protocol.storable import StorableDict, StorableList
 from gateway.server.api.errors import ApiError
 from gateway.server.models.inputs import MAX_TEXT_CHARS
 
@@ -150,7 +153,7 @@ class Message(Body):
 class FunctionDefinition(Body):
     name: FunctionName
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: StorableDict | None = None
     strict: bool | None = None
 
 
@@ -171,7 +174,7 @@ class ToolChoice(Body):
 class JsonSchemaFormat(Body):
     name: str = Field(max_length=64)
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: StorableDict | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -283,8 +286,8 @@ class ResponseContentPart(Body):
     text: Text | None = None  # required for a text part (responses.py says so by name)
     # An output_text part of an earlier response, given back as input: what the model
     # said, with what came with it (kept as given, not read).
-    annotations: list[Any] | None = None
-    logprobs: list[Any] | None = None
+    annotations: StorableList | None = None
+    logprobs: StorableList | None = None
 
 
 ContentParts = Annotated[list[ResponseContentPart], Field(max_length=256)]
@@ -354,7 +357,7 @@ class ResponseTool(Body):
     type: str = Field(default="function", max_length=64)
     name: FunctionName | None = None  # required for a function (responses.py says so by name)
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: StorableDict | None = None
     strict: bool | None = None
 
 
@@ -370,7 +373,7 @@ class TextFormat(Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = Field(default=None, max_length=64)
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: StorableDict | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -439,4 +442,4 @@ class BatchLine(Body):
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"] = "POST"
     url: str = Field(max_length=64)
-    body: dict[str, Any]
+    body: StorableDict
