@@ -594,6 +594,7 @@ async def test_a_batch_does_not_fill_the_interactive_backlog(stack, tmp_path) ->
         batcher = openai.OpenAI(base_url=f"{url}/v1", api_key=await new_key(stack, "tenant-batcher"), max_retries=0)
         lines = [chat_line(f"line-{i}", "go on", model="llm_synthetic", max_tokens=40) for i in range(40)]
         batch = await asyncio.to_thread(run_batch, batcher, lines)
+        await set_tenant(stack, "tenant-urgent", priority="high")  # the high band is granted
         async with client_for(stack, await new_key(stack, "tenant-urgent"), url) as urgent:
             deadline = time.monotonic() + 60
             while (await asyncio.to_thread(batcher.batches.retrieve, batch.id)).status != "in_progress":

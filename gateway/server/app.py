@@ -107,7 +107,7 @@ def token_counter(
 
     def count(record: ResultRecord) -> None:
         config = tenants.cached(record.tenant)
-        limited = config is None or config.limits.tokens_per_minute
+        limited = config is None or config.effective.tokens_per_minute
         if record.usage is not None and record.usage.completion_tokens and limited:
             background(charge(record.tenant, record.usage.completion_tokens))
 

@@ -33,6 +33,12 @@ class NotFound(Refused):
     status = 404
 
 
+class Forbidden(Refused):
+    """Not for this caller: beyond what its tenant was granted (a priority band)."""
+
+    status = 403
+
+
 class Gone(Refused):
     """It existed, and is kept no longer (a result past its retention)."""
 

@@ -132,6 +132,9 @@ class GatewaySettings(ServiceSettings):
     # not renewed this long belongs to a dead dispatcher and is started again elsewhere.
     claim_idle_ms: int = Field(default=15_000, ge=50)
     # Free slots of a model kept for light tenants while others are active (at most this
+    # ... and below this many bytes of them (payloads as stored), the same for bytes: the
+    # share (tenant_backlog_share of max_backlog_bytes) binds while others wait.
+    tenant_backlog_reserve_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
     # share of the model's slots; see gateway.server.dispatch.scheduler).
     fair_headroom: float = Field(default=0.25, ge=0, le=1)
     # A request started more often than this fails instead of being run again (runs a

@@ -39,11 +39,11 @@ from gateway.protocol import ErrorInfo, ResultRecord, State, new_request_id
 from gateway.protocol.http import InferRequest
 from gateway.protocol.redis_keys import Shard, band_for
 from gateway.server import submission as checks
-from gateway.server.errors import Busy, Conflict, LostPieces
+from gateway.server.errors import Busy, Conflict, Forbidden, LostPieces
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.queue import scripts
-from gateway.server.queue.jobs import Emitted, Job, JobStore, NewRequest, QueueStanding, TokenEvent
+from gateway.server.queue.jobs import Emitted, Job, JobStore, NewRequest, QueueStanding, TokenEvent, as_stored
 from gateway.server.settings import GatewaySettings
 from gateway.server.submission import Submission
 from gateway.server.tenants.caller import Caller
@@ -124,11 +124,16 @@ async def accept(
         if replay is not None:
             return replay
     band = band_for(bodies[0].priority, batch=batch or flex)
+    if band == "high" and who.config.priority != "high" and not who.operator:
+        raise Forbidden(
+            "priority_not_granted",
+            "priority above 0 (service_tier `priority` under /v1) runs ahead of every other tenant: "
+            "it needs an operator's grant of the high band (the tenant's `priority`)",
+            details={"field": "priority"},
+        )
     admission = checks.admission(settings, who, band, len(parts.jobs.shards))
     checks.fits(admission, band, len(bodies))
     bodies = [checks.seeded(registry, body, item) for body, item in zip(bodies, prepared, strict=True)]
-    if not batch:
-        who.headers |= await parts.quotas.admit(who.config, sum(t or 0 for t in prompt_tokens) or 1)
     now = time.time()
     shard = parts.jobs.shard_for(who.tenant)
     trace_id = parts.trace_id()
@@ -140,7 +145,8 @@ async def accept(
             "parameters": body.parameters,
             "stream": body.stream,
             "webhook": body.webhook.model_dump() if body.webhook else None,
-            "inputs_stored": registry.adapters[model].stored_inputs(item),
+            # What the record keeps of the inputs, as a change to them (the inputs once).
+            "stored_delta": as_stored(body.inputs, registry.adapters[model].stored_inputs(item)),
             "priority": body.priority,
             "metadata": body.metadata,
             "prompt_tokens": tokens,
@@ -149,6 +155,9 @@ async def accept(
         }
         idempotency = (idempotency_keys[index], hashes[index]) if idempotency_keys and hashes else None
         new.append(NewRequest(new_request_id(now, shard.index), payload, now, now + timeout_s, idempotency))
+    checks.fits_bytes(admission, sum(len(n.stored) for n in new))
+    if not batch:
+        who.headers |= await parts.quotas.admit(who.config, sum(t or 0 for t in prompt_tokens) or 1)
     # SUBMIT, starting it at once where this process has room and nothing of the model waits.
     start_as, light_only = parts.starts.can_start_now(model, who.tenant) if len(new) == 1 else ("", False)
     try:

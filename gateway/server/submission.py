@@ -26,6 +26,7 @@ FULL = {  # what a full backlog is full of, by SUBMIT's reason
     "batch": "batch requests are waiting",
     "bytes": "bytes of requests are waiting",
     "tenant": "of your requests are waiting",
+    "tenant_bytes": "bytes of your requests are waiting",
 }
 
 
@@ -109,15 +110,16 @@ def replay(existing: list[tuple[str, str]], hashes: list[str]) -> Submission:
 
 
 def admission(s: GatewaySettings, who: Caller, band: str, shards: int) -> Admission:
-    """The caps of the tenant's shard. The deployment's backlogs are split evenly between
-    the shards, but a tenant lives in one shard: so a shard admits at least what one
-    tenant may hold, whatever the shard count (the whole may then exceed MAX_BACKLOG by
-    that much per shard). A tenant always keeps to its own max_queued; its share
-    (tenant_backlog_share of its band class, interactive or batch) binds only while
-    other tenants wait, so alone it may use the whole backlog; below
-    tenant_backlog_reserve it is admitted even when the backlog is full, so no other
-    tenant's flood or batch can lock it out."""
-    limits = who.config.limits
+    """The caps of the tenant's shard, by requests and by bytes alike. The deployment's
+    backlogs are split evenly between the shards, but a tenant lives in one shard: so a
+    shard admits at least what one tenant may hold, whatever the shard count (the whole
+    may then exceed MAX_BACKLOG by that much per shard). A tenant always keeps to its own
+    max_queued; its share (tenant_backlog_share of its band class, interactive or batch,
+    and of the bytes) binds only while other tenants wait, so alone it may use the whole
+    backlog; below tenant_backlog_reserve requests and tenant_backlog_reserve_bytes bytes
+    it is admitted even when the backlog is full, so no other tenant's flood or batch can
+    lock it out."""
+    limits = who.config.effective
     whole = s.max_batch_backlog if band == "batch" else s.max_backlog
     share = max(1, math.floor(whole * s.tenant_backlog_share))
     own = limits.max_queued or share
@@ -127,13 +129,16 @@ def admission(s: GatewaySettings, who: Caller, band: str, shards: int) -> Admiss
         batch_backlog = max(batch_backlog, own)
     else:
         backlog = max(backlog, own)
+    bytes_share = max(1, math.floor(s.max_backlog_bytes * s.tenant_backlog_share))
     return Admission(
         max_backlog=backlog,
         max_batch_backlog=batch_backlog,
-        max_bytes=math.ceil(s.max_backlog_bytes / shards),
+        max_bytes=max(math.ceil(s.max_backlog_bytes / shards), bytes_share),
         tenant_max_queued=limits.max_queued or 0,
         tenant_share=share if not limits.max_queued else 0,
         reserve=s.tenant_backlog_reserve,
+        tenant_bytes_share=bytes_share,
+        bytes_reserve=s.tenant_backlog_reserve_bytes,
         weight=who.config.weight,
         max_concurrent=limits.max_concurrent,
     )
@@ -150,4 +155,16 @@ def fits(admission: Admission, band: str, count: int) -> None:
             "too_many_requests_in_call",
             f"this call makes {count} requests; at most {most} of yours may wait at once",
             details={"requests": count, "max_queued": most},
+        )
+
+
+def fits_bytes(admission: Admission, size: int) -> None:
+    """Refuse a call whose payloads could never be admitted by bytes, however idle the
+    system: more than the shard admits and more than the tenant's reserve."""
+    most = max(admission.max_bytes, admission.bytes_reserve)
+    if size > most:
+        raise InvalidRequest(
+            "call_too_large",
+            f"this call's requests hold {size} bytes as stored; at most {most} bytes of yours may wait at once",
+            details={"bytes": size, "max_bytes": most},
         )

@@ -3,7 +3,11 @@ settings and usage read as unknown, 404); an operator key manages every tenant, 
 operator keys and sees the replicas; any key reads its own tenant's usage (GET /usage).
 
 PUT /admin/tenants/<t> sets the fields its body names and keeps the others (a body with
-only limits leaves the webhook secrets and endpoint alone; `limits` member by member)."""
+only limits leaves the webhook secrets and endpoint alone; `limits` member by member).
+A tenant's grant (weight, priority band, limits) is an operator's alone: a tenant's admin
+sets its own limits within the grant (its `limits` are stored as `own_limits`, each at
+most the grant's), never its weight or band (403 `grant_operator_only`), never a limit
+above the grant (403 `limit_over_grant`)."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, admin, caller, manage, operator
 from gateway.server.routing.load import LoadTracker, ReplicaLoad
 from gateway.server.services import Services, services
-from gateway.server.tenants.config import TenantLimits
+from gateway.server.tenants.config import LIMIT_NAMES, Priority, TenantConfig, TenantLimits
 from gateway.server.tenants.keys import Role
 
 router = APIRouter(tags=["Tenants"])
@@ -39,8 +43,13 @@ class TenantSettings(BaseModel):
     """What PUT /admin/tenants/<t> may set; what its body leaves out is kept as it is."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    # The grant: an operator's alone.
     weight: float = Field(default=1.0, gt=0, le=1000)
+    priority: Priority = "normal"
+    # An operator's: the grant; a tenant admin's: its own limits, within the grant.
     limits: TenantLimits = Field(default_factory=TenantLimits)
+    # The tenant's own limits, within the grant (0: the grant's), whoever sets them.
+    own_limits: TenantLimits = Field(default_factory=TenantLimits)
     # Standard Webhooks secrets that sign this tenant's webhooks, all of them (newest first;
     # two during a rotation). Empty: the deployment's WEBHOOK_SECRETS sign them.
     webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
@@ -116,9 +125,39 @@ async def put_tenant(
 ) -> dict[str, Any]:
     manage(who, tenant)
     fields = body.model_dump(include=body.model_fields_set)
-    if "limits" in fields:
-        fields["limits"] = body.limits.model_dump(include=body.limits.model_fields_set)
-    return (await services(request).tenants.update(tenant, fields)).public()
+    for group in ("limits", "own_limits"):
+        if group in fields:
+            fields[group] = getattr(body, group).model_dump(include=getattr(body, group).model_fields_set)
+    tenants = services(request).tenants
+    if not who.operator:
+        within_grant(await tenants.get(tenant, fresh=True), fields)
+    return (await tenants.update(tenant, fields)).public()
+
+
+def within_grant(current: TenantConfig, fields: dict[str, Any]) -> None:
+    """A tenant admin's change, made to fit its grant: its `limits` are its own limits; each
+    may tighten the grant (or, at 0, leave it), never exceed it. The weight and the band are
+    the grant itself (ApiError 403 for either)."""
+    for name in ("weight", "priority"):
+        if name in fields:
+            raise ApiError(
+                403,
+                "grant_operator_only",
+                f"{name} is part of the tenant's grant, which only an operator key sets",
+                details={"field": name},
+            )
+    own = {**fields.pop("limits", {}), **fields.get("own_limits", {})}
+    for name in LIMIT_NAMES:
+        granted, wanted = getattr(current.limits, name), own.get(name, 0)
+        if granted and wanted > granted:
+            raise ApiError(
+                403,
+                "limit_over_grant",
+                f"limits.{name} may be at most the tenant's grant, {granted} (an operator key raises the grant)",
+                details={"field": f"limits.{name}", "granted": granted},
+            )
+    if own:
+        fields["own_limits"] = own
 
 
 @router.get("/admin/tenants/{tenant}/usage", summary="A tenant's usage by day")

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any
 
 from redis.asyncio import Redis
@@ -61,7 +62,8 @@ UNREPLICATED_LOG_EVERY_S = 10.0
 
 @dataclass(frozen=True)
 class Admission:
-    """The limits one submission is admitted under (see SUBMIT)."""
+    """The limits one submission is admitted under (SUBMIT's `admit`): by requests and by
+    bytes, the same shape each, side by side."""
 
     max_backlog: int  # interactive requests waiting in the shard
     max_batch_backlog: int  # batch-band requests waiting in the shard
@@ -69,8 +71,51 @@ class Admission:
     tenant_max_queued: int = 0  # this tenant's own cap in its band class, always (0: none)
     tenant_share: int = 0  # its share of the class's backlog: binds only while other tenants wait (0: none)
     reserve: int = 0  # below this many waiting, the tenant is admitted even when the backlog is full
+    tenant_bytes_share: int = 0  # its share of the waiting bytes, while other tenants wait (0: none)
+    bytes_reserve: int = 0  # below this many bytes waiting, admitted even when the bytes are full
     weight: float = 1.0
     max_concurrent: int = 0
+
+    def script_arg(self) -> dict[str, Any]:
+        """As SUBMIT reads it; `settings`: the tenant's weight and concurrency limit as TAKE
+        reads them from the shard's tenants hash."""
+        return {
+            "max_backlog": self.max_backlog,
+            "max_batch_backlog": self.max_batch_backlog,
+            "max_bytes": self.max_bytes,
+            "tenant_max_queued": self.tenant_max_queued,
+            "tenant_share": self.tenant_share,
+            "reserve": self.reserve,
+            "tenant_bytes_share": self.tenant_bytes_share,
+            "bytes_reserve": self.bytes_reserve,
+            "max_concurrent": self.max_concurrent,
+            "settings": f"{float(self.weight)!r} {self.max_concurrent}",
+        }
+
+
+def as_stored(inputs: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any] | None:
+    """What a request's record keeps of its inputs (the model's `stored_inputs`), as a
+    change to them, so that the payload holds a prompt once: None when the record keeps the
+    inputs as they are, else the members it sets and those it drops (an image's bytes)."""
+    changed = {name: value for name, value in stored.items() if name not in inputs or inputs[name] != value}
+    dropped = [name for name in inputs if name not in stored]
+    return {"set": changed, "drop": dropped} if changed or dropped else None
+
+
+def stored_inputs(payload: dict[str, Any]) -> dict[str, Any]:
+    """The inputs a request's record keeps (as_stored, undone)."""
+    if "inputs_stored" in payload:  # a payload submitted before stored_delta: whole
+        return payload["inputs_stored"]
+    inputs, delta = payload.get("inputs") or {}, payload.get("stored_delta")
+    if not delta:
+        return inputs
+    return {name: value for name, value in inputs.items() if name not in delta["drop"]} | delta["set"]
+
+
+def stored_payload(payload: dict[str, Any]) -> str:
+    """A request's payload as SUBMIT stores it and counts its bytes: compact JSON, its text
+    not escaped (a CJK character counts its 3 UTF-8 bytes, not a 6-byte escape)."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -80,6 +125,11 @@ class NewRequest:
     created_at: float
     deadline: float
     idempotency: tuple[str, str] | None = None  # (key, body hash)
+
+    @cached_property
+    def stored(self) -> bytes:
+        """The payload as SUBMIT stores it and counts its bytes (made once)."""
+        return stored_payload(self.payload).encode()
 
 
 @dataclass(frozen=True)
@@ -233,7 +283,7 @@ class Job:
             model=self.model,
             tenant=self.tenant,
             status=status,
-            inputs=self.payload.get("inputs_stored", {}),
+            inputs=stored_inputs(self.payload),
             parameters=self.payload.get("parameters", {}),
             outputs=outputs,
             error=error,
@@ -387,28 +437,21 @@ class JobStore:
         in its shard (outcome "started", with the run's token)."""
         shard = shard_of(requests[0].request_id)
         run = secrets.token_hex(8) if start_as and len(requests) == 1 else ""
-        args: list[Any] = [
-            shard.prefix,  # (the head: SUBMIT_HEAD)
-            model,
-            tenant,
-            band,
-            time.time(),
-            self.idempotency_ttl_s,
-            admission.max_backlog,
-            admission.max_batch_backlog,
-            admission.max_bytes,
-            admission.tenant_max_queued,
-            admission.reserve,
-            repr(float(admission.weight)),
-            admission.max_concurrent,
-            start_as if len(requests) == 1 else "",
-            self._lease_end(),
-            RUNNING_FIRST,
-            "1" if light_only else "0",
-            len(requests),
-            admission.tenant_share,
-            run,
-        ]
+        head = {
+            "model": model,
+            "tenant": tenant,
+            "band": band,
+            "now": repr(time.time()),
+            "idem_ttl": self.idempotency_ttl_s,
+            "admission": admission.script_arg(),
+            "consumer": start_as if len(requests) == 1 else "",
+            "lease_end": str(self._lease_end()),
+            "running": RUNNING_FIRST,
+            "light": "1" if light_only else "0",
+            "k": len(requests),
+            "run": run,
+        }
+        args: list[Any] = [shard.prefix, json.dumps(head, separators=(",", ":"))]  # (prefix: the SUBMIT_HEAD)
         keys = [
             *scripts.shard_keys(shard),
             *scripts.model_keys(shard, model),
@@ -421,7 +464,7 @@ class JobStore:
                 keys.append(shard.idempotency(tenant, idem[0]))
             args += [
                 new.request_id,
-                json.dumps(new.payload, separators=(",", ":")),
+                new.stored,
                 new.created_at,
                 new.deadline,
                 idem[0] if idem else "",

@@ -171,16 +171,20 @@ local READY = {high = KEYS[12], normal = KEYS[13], low = KEYS[14], batch = KEYS[
 # KEYS: shard_keys (10), then per submission its model_keys and tenant_keys (10) and per
 #   request its hash, its events and, when it has an idempotency key, that key (the
 #   request's ARGV says whether).
-# ARGV: prefix, then per submission (19, then 6 a request): model, tenant, band, now,
-#   idempotency ttl, max backlog, max batch backlog, max backlog bytes, tenant's max queued
-#   (0 = none), tenant's reserve, weight, max concurrent, consumer to start it at once ('' =
-#   queue it), lease end (ms), running event data, light only ('1': start at once only if
-#   the tenant runs nothing of this model), K (requests), tenant's share, run token (of the
-#   run started at once), then per request: id, payload, created_at, deadline, idempotency
-#   key suffix ('' = none), idempotency value
+# ARGV: prefix, then per submission its head, one JSON object (jobs.SubmitHead: model,
+#   tenant, band, now, idem_ttl, admission, consumer to start it at once ('' = queue it),
+#   lease_end (ms), running (the running event's data), light ('1': start at once only if
+#   the tenant runs nothing of this model), k (requests), run (the token of the run started
+#   at once)), then per request 6: id, payload, created_at, deadline, idempotency key
+#   suffix ('' = none), idempotency value
 # Returns per submission {'accepted'}, {'started'}, {'existing', value per request} or
 # {'full', reason, count}. The K requests of a submission are admitted together or not at
 # all.
+#
+# Admission (admit below) is one rule applied to the requests and to their bytes, side by
+# side: the tenant's own cap always binds; its share binds only while other tenants wait
+# (work-conserving); the shard's cap binds unless the tenant is below its reserve. Bytes are
+# the payloads as stored (UTF-8 JSON), counted once.
 #
 # Starting at once (K = 1, the caller's process has a free slot for the model): one round
 # trip from accepted to running. Only where TAKE would pick it next anyway: nothing
@@ -216,14 +220,26 @@ end
 local function add_backlog(f, by) backlog[f] = redis.call('HINCRBY', BACKLOG, f, by) end
 -- One submission: its keys after KEYS[kb], its arguments after ARGV[ab]. Returns its
 -- answer and how many keys and arguments it took.
+-- Over a cap? One dimension of admission (requests or bytes): the tenant's own cap
+-- (0: none) always binds, its share (0: none) while other tenants wait, the shard's cap
+-- unless the tenant is below its reserve. 'tenant', 'full' or nil.
+local function over(total, mine, add, cap, own, share, reserve)
+  if own > 0 and mine + add > own then return 'tenant' end
+  if share > 0 and mine + add > share and total > mine then return 'tenant' end
+  if total + add > cap and mine + add > reserve then return 'full' end
+  return nil
+end
+-- One submission: its keys after KEYS[kb], its arguments after ARGV[ab]. Returns its
+-- answer and how many keys and arguments it took.
 local function submit(kb, ab)
-  local function arg(i) return ARGV[ab + i] end
+  local a = cjson.decode(ARGV[ab + 1])
+  local adm = a.admission
   local READY = {high = KEYS[kb + 2], normal = KEYS[kb + 3], low = KEYS[kb + 4], batch = KEYS[kb + 5]}
   local BLOCKED = KEYS[kb + 6]
   local QUEUE = {high = KEYS[kb + 7], normal = KEYS[kb + 8], low = KEYS[kb + 9], batch = KEYS[kb + 10]}
-  local model, tenant, band, now, consumer = arg(1), arg(2), arg(3), arg(4), arg(13)
-  local k, run = tonumber(arg(17)), arg(19)
-  local function field(i, n) return arg(19 + (i - 1) * 6 + n) end
+  local model, tenant, band, now, consumer = a.model, a.tenant, a.band, a.now, a.consumer
+  local k, run = a.k, a.run
+  local function field(i, n) return ARGV[ab + 1 + (i - 1) * 6 + n] end
   local REQ, EVENTS, IDEM = {}, {}, {}
   local at = kb + 11
   for i = 1, k do
@@ -231,7 +247,7 @@ local function submit(kb, ab)
     at = at + 2
     if field(i, 5) ~= '' then IDEM[i] = KEYS[at] at = at + 1 end
   end
-  local used_keys, used_args = at - kb - 1, 19 + 6 * k
+  local used_keys, used_args = at - kb - 1, 1 + 6 * k
   local h = redis.call('HMGET', REQ[1], 'state', 'run')
   if h[1] then  -- this very call, replayed after a lost reply
     sync()
@@ -250,29 +266,30 @@ local function submit(kb, ab)
     return existing, used_keys, used_args
   end
   local total_field, tenant_field = counters(band, tenant)
-  local total, bytes, mine, waiting, reclaimed =
-    backlog_of({total_field, 'bytes', tenant_field, 'm:' .. model, 'r:' .. model})
+  local bytes_field = 'B:' .. tenant
+  local total, mine, bytes, my_bytes, waiting, reclaimed =
+    backlog_of({total_field, tenant_field, 'bytes', bytes_field, 'm:' .. model, 'r:' .. model})
   local size = 0
   for i = 1, k do size = size + string.len(field(i, 2)) end
-  if bytes + size > num(arg(8)) then return {'full', 'bytes', tostring(bytes)}, used_keys, used_args end
-  if num(arg(9)) > 0 and mine + k > num(arg(9)) then return {'full', 'tenant', tostring(mine)}, used_keys, used_args end
-  -- The share binds only while other tenants wait in the class: alone, a tenant may use the
-  -- whole backlog (work-conserving); with others waiting it keeps to its share.
-  if num(arg(18)) > 0 and mine + k > num(arg(18)) and total > mine then
-    return {'full', 'tenant', tostring(mine)}, used_keys, used_args
+  local cap = band == 'batch' and adm.max_batch_backlog or adm.max_backlog
+  local by_count = over(total, mine, k, cap, adm.tenant_max_queued, adm.tenant_share, adm.reserve)
+  if by_count then
+    local reason = by_count == 'tenant' and 'tenant' or (band == 'batch' and 'batch' or 'backlog')
+    return {'full', reason, tostring(by_count == 'tenant' and mine or total)}, used_keys, used_args
   end
-  local cap = band == 'batch' and num(arg(7)) or num(arg(6))
-  if total + k > cap and mine + k > num(arg(10)) then
-    return {'full', band == 'batch' and 'batch' or 'backlog', tostring(total)}, used_keys, used_args
+  local by_bytes = over(bytes, my_bytes, size, adm.max_bytes, 0, adm.tenant_bytes_share, adm.bytes_reserve)
+  if by_bytes then
+    local reason = by_bytes == 'tenant' and 'tenant_bytes' or 'bytes'
+    return {'full', reason, tostring(by_bytes == 'tenant' and my_bytes or bytes)}, used_keys, used_args
   end
   -- The tenant's settings (TAKE reads them for the tenants it picks), written when they
   -- changed; this submission's own are its arguments.
-  local settings = arg(11) .. ' ' .. arg(12)
+  local settings = adm.settings
   if settings_seen[tenant] ~= settings then
     if redis.call('HGET', TENANTS, tenant) ~= settings then redis.call('HSET', TENANTS, tenant, settings) end
     settings_seen[tenant] = settings
   end
-  local limit = num(arg(12))
+  local limit = adm.max_concurrent
   local function own_limit_reached()
     return limit > 0 and running('t:' .. tenant) >= limit
   end
@@ -289,7 +306,7 @@ local function submit(kb, ab)
     end
     return true
   end
-  local light_ok = arg(16) ~= '1' or running('m:' .. model .. ':' .. tenant) == 0
+  local light_ok = a.light ~= '1' or running('m:' .. model .. ':' .. tenant) == 0
   local start_now = k == 1 and consumer ~= '' and light_ok and not own_limit_reached() and first_in_line()
   local state = {'state', 'queued', 'attempts', 0}
   -- A run started at once stays out of the deadlines set: its own run cuts it at its
@@ -302,14 +319,14 @@ local function submit(kb, ab)
     redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
       'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'emitted', 0, unpack(state))
     local queued = cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))})
-    if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', arg(5)) end
+    if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', a.idem_ttl) end
     if start_now then
       pend('t:' .. tenant, 1)
       pend('m:' .. model .. ':' .. tenant, 1)
-      leases[#leases + 1] = arg(14)
+      leases[#leases + 1] = a.lease_end
       leases[#leases + 1] = id
       -- Its `queued` and `running` events in one entry (results/events.py reads it as both).
-      redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', arg(15), 'queued', queued)
+      redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', a.running, 'queued', queued)
       return {'started'}, used_keys, used_args
     end
     redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data', queued)
@@ -329,6 +346,7 @@ local function submit(kb, ab)
   add_backlog(total_field, k)
   add_backlog(tenant_field, k)
   add_backlog('bytes', size)
+  add_backlog(bytes_field, size)
   add_backlog('m:' .. model, k)
   if waiting == 0 then redis.call('PUBLISH', 'work', P .. model) end
   return {'accepted'}, used_keys, used_args
@@ -396,6 +414,7 @@ local function start(rid, restarted, run)
     decr(BACKLOG, total_field, 1)
     decr(BACKLOG, tenant_field, 1)
     decr(BACKLOG, 'bytes', num(h[3]))
+    decr(BACKLOG, 'B:' .. h[1], num(h[3]))
     decr(BACKLOG, 'm:' .. model, 1)
     redis.call('HINCRBY', RUNNING, 't:' .. h[1], 1)
     redis.call('HINCRBY', RUNNING, 'm:' .. model .. ':' .. h[1], 1)
@@ -665,6 +684,7 @@ local function finish(k, a)
     decr(BACKLOG, total_field, 1)
     decr(BACKLOG, tenant_field, 1)
     decr(BACKLOG, 'bytes', num(h[6]))
+    decr(BACKLOG, 'B:' .. tenant, num(h[6]))
     decr(BACKLOG, 'm:' .. model, 1)
     redis.call('LREM', QUEUE[band], 1, id)
     if redis.call('LLEN', QUEUE[band]) == 0 then redis.call('ZREM', READY[band], tenant) end

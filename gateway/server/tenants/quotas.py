@@ -100,7 +100,7 @@ class Quotas:
         beyond the whole tokens-per-minute limit are refused as invalid (nothing counted):
         no wait would let them in, so a 429's Retry-After would send the caller round in
         circles."""
-        limits = config.limits
+        limits = config.effective
         if limits.tokens_per_minute and prompt_tokens > limits.tokens_per_minute:
             raise InvalidRequest(
                 "prompt_over_token_limit",
@@ -144,8 +144,8 @@ class Quotas:
 
     async def used_tokens(self, config: TenantConfig, tokens: int) -> None:
         """Charge the tokens a request used beyond what admission charged (its completion)."""
-        if config.limits.tokens_per_minute and tokens > 0:
-            item = RateLimitItemPerMinute(config.limits.tokens_per_minute)
+        if config.effective.tokens_per_minute and tokens > 0:
+            item = RateLimitItemPerMinute(config.effective.tokens_per_minute)
             # hit() refuses (and counts nothing) once the window is full; what was used is
             # used all the same, so count what still fits.
             if not await self.limiter.hit(item, "tpm", config.tenant, cost=tokens):
