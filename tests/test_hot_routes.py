@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from gateway.protocol import new_request_id
+from tests.conftest import AUTH
 from tests.gateway_calls import llm_body
 
 JSON = {"content-type": "application/json"}
@@ -121,11 +122,11 @@ async def test_a_wait_that_is_not_a_number_is_refused_as_fastapi_refuses_it(http
     }
 
 
-async def test_a_body_that_is_not_json_is_refused_before_the_key_and_the_header(stack) -> None:
-    # No API key and an Idempotency-Key over the limit: the JSON is checked first.
+async def test_a_body_that_is_not_json_is_refused_after_the_key_and_before_the_header(stack) -> None:
+    # An Idempotency-Key over the limit: the JSON is checked first, once the key is.
     async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as anonymous:
         response = await anonymous.post(
-            "/infer", content=b'{"model": "llm", ', headers={**JSON, "Idempotency-Key": "k" * 300}
+            "/infer", content=b'{"model": "llm", ', headers={**JSON, **AUTH, "Idempotency-Key": "k" * 300}
         )
         assert response.status_code == 422
         assert response.json() == {
@@ -135,8 +136,8 @@ async def test_a_body_that_is_not_json_is_refused_before_the_key_and_the_header(
                 "details": [{"loc": ["body", 17], "msg": "JSON decode error", "type": "json_invalid"}],
             }
         }
-        # Valid JSON without a key: 401 before the header and the body are looked at.
-        response = await anonymous.post("/infer", json={"model": 1}, headers={"Idempotency-Key": "k" * 300})
+        # Without a key: 401 before the header and the body are looked at (tests/test_key_first.py).
+        response = await anonymous.post("/infer", content=b'{"model": ', headers={"Idempotency-Key": "k" * 300})
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "missing_api_key"
         assert response.headers["www-authenticate"] == "Bearer"

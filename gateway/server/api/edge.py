@@ -2,6 +2,10 @@
 
 - takes the X-Request-ID (from nginx or the client, when sane; else a new one), binds it
   into the log context as `trace_id`, and returns it (gateway.server.api.request_id);
+- checks the API key of every path but the public ones, from the headers, before a byte of
+  the body is read (a caller without a valid key cannot make the gateway parse its JSON or
+  spool its upload), and keeps who calls in the request's state for the routes (the
+  `caller` dependency and the hot routes reuse it: one check a request);
 - limits the body: over max_bytes (declared or streamed) is 413, not arriving within
   body_timeout_s is 408 (slow senders cannot hold a worker); a JSON body must be UTF-8;
 - adds the headers the calls made for the caller left (x-ratelimit-*);
@@ -20,17 +24,23 @@ import codecs
 import logging
 import re
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Histogram
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.common.logs import bind_request_ids, clear_request_ids
 from gateway.server.api.errors import BodyRefused, ErrorRenderer
 from gateway.server.api.hot import HotRoutes
 from gateway.server.api.request_id import HEADER, TRACE_HEADER, accepted_trace_id, bind_trace_id
+from gateway.server.api.tenancy import identify
 from gateway.server.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from gateway.server.services import Services
+    from gateway.server.settings import GatewaySettings
 
 access_log = logging.getLogger("gateway.access")
 
@@ -41,6 +51,14 @@ _REQUEST_ID = HEADER.lower().encode()
 _TRACE_HEADER = TRACE_HEADER.lower().encode()
 _CONTENT_LENGTH = b"content-length"
 _CONTENT_TYPE = b"content-type"
+_AUTHORIZATION = b"authorization"
+_TRANSFER_ENCODING = b"transfer-encoding"
+# Paths served without a key: liveness, readiness and the browser page (whose API calls
+# send the key the user types); /metrics and the API documents as settings say.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/ui"})
+PUBLIC_PREFIXES = ("/ui/",)
+METRICS_PATH = "/metrics"
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 def _templates(routes: Iterable[Any]) -> Iterator[tuple[re.Pattern[str], str]]:
@@ -59,6 +77,11 @@ def _is_json(content_type: bytes | None) -> bool:
     return main == b"application/json" or (main.startswith(b"application/") and main.endswith(b"+json"))
 
 
+def _has_body(headers: dict[bytes, bytes]) -> bool:
+    length = headers.get(_CONTENT_LENGTH)
+    return _TRANSFER_ENCODING in headers or (length is not None and length not in (b"0", b""))
+
+
 class Edge:
     def __init__(
         self,
@@ -70,8 +93,11 @@ class Edge:
         body_timeout_s: float,
         uploads: dict[str, tuple[int, float]] | None = None,
         hot: HotRoutes | None = None,
+        services: Callable[[], Services] | None = None,
     ) -> None:
         self.app = app
+        # The app's services (its settings, the key store): set by its lifespan.
+        self.services = services or (lambda: app.state.services)  # type: ignore[attr-defined]
         self.metrics = metrics
         self.errors = errors
         self.max_bytes = max_bytes
@@ -153,7 +179,14 @@ class Edge:
             declared = headers.get(_CONTENT_LENGTH)
             if declared is not None and declared.isdigit() and int(declared) > max_bytes:
                 raise BodyRefused(413, "payload_too_large", f"request body is over {max_bytes} bytes")
-            if route is not None and self.hot is not None:
+            refusal = await self._authenticate(scope, headers.get(_AUTHORIZATION))
+            if refusal is not None:
+                if _has_body(headers):
+                    # The body was never read: closing the connection after the answer spares
+                    # the server reading (and discarding) what the client still sends.
+                    refusal.headers["connection"] = "close"
+                await refusal(scope, limited_receive, edge_send)
+            elif route is not None and self.hot is not None:
                 await self.hot.handle(route, scope, limited_receive, edge_send)
             else:
                 await self.app(scope, limited_receive, edge_send)
@@ -170,6 +203,29 @@ class Edge:
                 access_log.log(level, "%s %s %d %.1fms", method, path, status, elapsed_ms)
             clear_request_ids()
             reset()
+
+    def public(self, path: str, settings: GatewaySettings) -> bool:
+        """Whether a path is served without a key."""
+        if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+            return True
+        if path == METRICS_PATH:
+            return settings.public_metrics
+        return path in DOCS_PATHS and settings.public_docs
+
+    async def _authenticate(self, scope: Scope, authorization: bytes | None) -> Response | None:
+        """Who calls, into the request's state; the answer to give instead when nobody
+        (401) or when the key store is away (503); None when the call goes on."""
+        svc = self.services()
+        if self.public(scope["path"], svc.settings):
+            return None
+        try:
+            scope["state"]["caller"] = await identify(
+                svc, authorization.decode("latin-1") if authorization is not None else None
+            )
+        except Exception as exc:
+            answer = self.errors.of(scope["path"], scope["method"], exc)
+            return answer if answer is not None else self.errors.unexpected(scope["path"], scope["method"], exc)
+        return None
 
     def _count(self, route: str, method: str, status: int, seconds: float) -> None:
         method = method if method in _METHODS else "other"

@@ -9,9 +9,11 @@ code) and its router's answers to near misses (another method is 405 with Allow,
 trailing slash is redirected). A request that does reach a declaration (an app without
 the edge in front) is answered by this same code.
 
-The checks come in FastAPI's order (a body that is not JSON first, then the key, then the
-parameters and the body), the errors in pydantic's shape as FastAPI's validation errors,
-rendered by the ErrorRenderer every route uses. The body is parsed and validated in one
+The key comes first: the edge checks it from the headers before the body is read (a call
+without a valid key is 401 whatever its body), and this code uses the caller it found.
+Then come a body that is not JSON, then the parameters and the body, the errors in
+pydantic's shape as FastAPI's validation errors, rendered by the ErrorRenderer every route
+uses. The body is parsed and validated in one
 pass by pydantic-core (InferRequest's JSON schema); only a body that fails takes the slow
 road, which finds every error. The answers are built by gateway.server.api.submit and
 results."""
@@ -192,15 +194,18 @@ class HotRoutes:
         await response(scope, receive, send)
 
     async def _caller(self, svc: Services, scope: Scope) -> Any:
+        known = scope["state"].get("caller")
+        if known is not None:  # found by the edge from the headers: the key is checked once
+            return known
         who = await identify(svc, _header(scope, b"authorization"))
         scope["state"]["caller"] = who  # the edge adds the headers its calls leave (x-ratelimit-*)
         return who
 
     async def _infer(self, route: HotRoute, scope: Scope, receive: Receive) -> Response:
         svc = self.services()
+        who = await self._caller(svc, scope)  # before a byte of the body is read
         raw = await _body(receive)
         body, parsed = self._parse(_header(scope, b"content-type"), raw)
-        who = await self._caller(svc, scope)
         errors = []
         idempotency_key = _header(scope, b"idempotency-key")
         if idempotency_key is not None and len(idempotency_key) > IDEMPOTENCY_MAX:
@@ -228,11 +233,11 @@ class HotRoutes:
         """The body, valid (fast), or what FastAPI would validate later (raising at once
         for JSON that does not parse, as FastAPI does before anything else)."""
         if not raw:
-            # Refused after the key is checked, as a body that is not an object (model_type;
+            # Refused as a body that is not an object (model_type;
             # FastAPI's own parsing would say "Field required").
             return None, None
         if not _is_json(content_type):
-            return None, raw  # validated as it is (and refused), after the key is checked
+            return None, raw  # validated as it is (and refused)
         try:
             return InferRequest.model_validate_json(raw), None
         except ValidationError:

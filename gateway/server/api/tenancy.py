@@ -45,6 +45,11 @@ async def identify(svc: Services, authorization: str | None) -> Caller:
 
 
 async def caller(request: Request) -> Caller:
+    """Who calls: as the edge found it from the headers before the body was read
+    (gateway.server.api.edge), else (an app without the edge) from the key now."""
+    known = getattr(request.state, "caller", None)
+    if isinstance(known, Caller):
+        return known
     from gateway.server.services import services
 
     who = await identify(services(request), request.headers.get("authorization"))
