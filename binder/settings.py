@@ -58,8 +58,9 @@ class BinderSettings(ServiceSettings):
     # the i-th of the gateways' BINDER_URLS.
     index_partition: int | None = Field(default=None, ge=0)
     snapshot_interval_s: float = Field(default=30.0, gt=0)
-    # Webhooks (Standard Webhooks): one or more `whsec_...` secrets, newest first; they
-    # sign the webhooks of every tenant that has none of its own.
+    # Webhooks (Standard Webhooks): one or more `whsec_...` secrets, newest first; a tenant
+    # that has none of its own is signed with secrets derived from them and its name
+    # (gateway.protocol.webhook_secrets.tenant_secrets), never with these themselves.
     webhook_secrets: CommaList = []
     # Seconds before each attempt (Svix-like); the first is the initial delivery.
     webhook_retry_schedule: CommaList = ["0", "5", "300", "1800", "7200", "18000", "36000", "36000"]

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 import tritonclient.grpc.aio as triton_aio
 from pymongo import AsyncMongoClient
 
+from gateway.protocol.webhook_secrets import tenant_secret
 from gateway.stack import services
 from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes, remove_shm, shm_regions
 from gateway.stack.process import ManagedProcess, free_port, stop_processes
@@ -31,6 +32,12 @@ from gateway.stack.stack import LocalStack
 from gateway.stack.weights import build_tiny_clip, build_tiny_gpt2
 
 WEBHOOK_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+def webhook_secret_of(tenant: str) -> str:
+    """What verifies the webhooks of a tenant without secrets of its own in the test stack:
+    its secret derived from WEBHOOK_SECRET, as the binder signs and the gateway shows it."""
+    return tenant_secret(WEBHOOK_SECRET, tenant)
 
 
 # Quick recovery and retries so failure tests finish in seconds.

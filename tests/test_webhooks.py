@@ -1,8 +1,8 @@
 """Signed webhooks, sent by the binder to a real local HTTP receiver: signed with the
-tenant's own secrets (all of them, for rotation) or the deployment's; retried, guarded;
-replayed on request, a few times a minute per tenant. Deliveries in Redis refer to the
-stored record (the body is made from it when sent), spread over the shards, and expire
-once they have ended."""
+tenant's own secrets (all of them, for rotation) or those derived for it from the
+deployment's; retried, guarded; replayed on request, a few times a minute per tenant.
+Deliveries in Redis refer to the stored record (the body is made from it when sent),
+spread over the shards, and expire once they have ended."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from gateway.protocol import new_request_id
 from gateway.protocol.records import TENANTS_COLLECTION
 from gateway.protocol.redis_keys import all_shards, shard_for_tenant, webhook_slot
 from gateway.stack.process import LaunchError, free_port
-from tests.conftest import AUTH, WEBHOOK_SECRET
+from tests.conftest import AUTH, WEBHOOK_SECRET, webhook_secret_of
 from tests.gateway_calls import submit, wait_result
 from tests.records import publish, text_record
 
@@ -131,7 +131,7 @@ async def test_the_signature_verifies_with_the_standard_webhooks_package(http, r
     request_id = await _with_webhook(http, receiver.url(path))
     record = await _webhook_status(http, request_id, {"delivered"})
     [call] = receiver.to(path)
-    payload = Webhook(WEBHOOK_SECRET).verify(call.body, call.headers)
+    payload = Webhook(webhook_secret_of("local")).verify(call.body, call.headers)  # the `http` key's tenant
     assert payload["type"] == "request.completed"
     assert payload["data"]["request_id"] == request_id
     assert call.headers["webhook-id"].startswith("msg_")
@@ -277,18 +277,19 @@ async def test_a_tenant_with_its_own_secret_gets_webhooks_that_verify_with_it_an
     assert not _verifies(WEBHOOK_SECRET, call)
 
 
-async def test_a_tenant_without_secrets_of_its_own_gets_webhooks_signed_with_the_deployment_secret(
+async def test_a_tenant_without_secrets_of_its_own_gets_webhooks_signed_with_its_derived_secret(
     stack, receiver
 ) -> None:
     _, beside = await _tenant(stack, [_new_secret()])  # another tenant has secrets of its own
     await beside.aclose()
-    path = _path("deployment-secret")
-    _, client = await _tenant(stack)
+    path = _path("derived-secret")
+    tenant, client = await _tenant(stack)
     async with client:
         request_id = await _with_webhook(client, receiver.url(path))
         await _webhook_status(client, request_id, {"delivered"})
     [call] = receiver.to(path)
-    assert _verifies(WEBHOOK_SECRET, call)
+    assert _verifies(webhook_secret_of(tenant), call)
+    assert not _verifies(WEBHOOK_SECRET, call)  # the deployment's own secret signs no tenant's
 
 
 async def test_during_a_rotation_either_of_a_tenants_two_secrets_verifies(stack, receiver) -> None:
@@ -377,13 +378,13 @@ async def test_a_tenants_last_known_secrets_sign_through_a_mongodb_outage(mongo)
     await tenants.insert_one({"_id": "known", "webhook_secrets": [secret]})
     secrets = TenantSecrets(tenants, [WEBHOOK_SECRET], cache_s=0)  # every call asks MongoDB
     assert (await secrets.for_tenant("known")).secrets == (secret,)
-    assert (await secrets.for_tenant("plain")).secrets == (WEBHOOK_SECRET,)
+    assert (await secrets.for_tenant("plain")).secrets == (webhook_secret_of("plain"),)
     unreachable: AsyncMongoClient = AsyncMongoClient(f"mongodb://127.0.0.1:{free_port()}", serverSelectionTimeoutMS=200)
     try:
         secrets.tenants = unreachable[tenants.database.name][TENANTS_COLLECTION]
         assert (await secrets.for_tenant("known")).secrets == (secret,)
-        assert (await secrets.for_tenant("plain")).secrets == (WEBHOOK_SECRET,)
-        with pytest.raises(SecretsUnavailable):  # never read: not signed with the deployment's in its place
+        assert (await secrets.for_tenant("plain")).secrets == (webhook_secret_of("plain"),)
+        with pytest.raises(SecretsUnavailable):  # never read: not signed with a derived secret in its place
             await secrets.for_tenant("never-read")
     finally:
         await unreachable.close()
@@ -784,7 +785,7 @@ async def test_a_webhook_is_made_of_the_stored_record_and_signed(sharded, mongo,
     await publish(sharded.redis, [record])
     document = await _stored_webhook(mongo, sharded.database, record.request_id, {"delivered"})
     [call] = receiver.to(path)
-    payload = Webhook(WEBHOOK_SECRET).verify(call.body, call.headers)
+    payload = Webhook(webhook_secret_of(record.tenant)).verify(call.body, call.headers)
     assert payload["type"] == "request.completed"
     assert call.headers["webhook-id"].startswith("msg_")
     data = payload["data"]

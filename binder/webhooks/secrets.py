@@ -1,12 +1,14 @@
 """Which secrets sign a delivery: its tenant's own (`webhook_secrets` of the tenant's
 document in MongoDB's `tenants` collection, set through PUT /admin/tenants/<t>), all of
-them, so a receiver verifies during a rotation with either; else the deployment's
-WEBHOOK_SECRETS.
+them, so a receiver verifies during a rotation with either; else its derived secrets
+(gateway.protocol.webhook_secrets.tenant_secrets: HMAC of each deployment WEBHOOK_SECRETS
+over the tenant's name), never the deployment secret itself, which no tenant holds: one
+tenant cannot sign a webhook another tenant's receiver accepts.
 
 They are looked up at send time, so a rotation applies to the next attempt, retries
 included, and kept per tenant for a few seconds. While MongoDB is out of reach the
 secrets last read for a tenant still sign; a tenant not read before cannot be signed
-for (never with the deployment secret in its place): that attempt fails and is retried.
+for (never with a derived secret in its place): that attempt fails and is retried.
 A stored tenant secret that cannot sign (stored before the admin API checked them) is
 reported, never quoted, and the attempt refused. No secret is ever logged.
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import PyMongoError
 
-from gateway.protocol.webhook_secrets import secrets_problem
+from gateway.protocol.webhook_secrets import secrets_problem, tenant_secrets
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class Signing:
     """The secrets that sign one delivery, or why none can."""
 
     secrets: tuple[str, ...]
-    owner: str  # "tenant" (its own secrets) or "deployment" (WEBHOOK_SECRETS)
+    owner: str  # "tenant" (its own secrets) or "derived" (from WEBHOOK_SECRETS and its name)
     problem: str | None = None  # a secret that cannot sign, described without quoting it
 
 
@@ -53,7 +55,7 @@ class TenantSecrets:
         cache_s: float = 5.0,
         max_tenants: int = MAX_TENANTS,
     ) -> None:
-        """tenants: the gateway's `tenants` collection (None: deployment secrets only)."""
+        """tenants: the gateway's `tenants` collection (None: derived secrets only)."""
         self.tenants = tenants
         self.deployment = tuple(deployment)
         self.cache_s = cache_s
@@ -70,7 +72,7 @@ class TenantSecrets:
     async def for_tenant(self, tenant: str) -> Signing:
         own = (await self._tenant(tenant)).secrets if self.tenants is not None else ()
         if not own:
-            return Signing(self.deployment, "deployment")
+            return Signing(tenant_secrets(self.deployment, tenant), "derived")
         problem = secrets_problem(list(own))
         if problem:
             problem = f"tenant {tenant}'s webhook {problem}; set valid ones with PUT /admin/tenants/{tenant}"

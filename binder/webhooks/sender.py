@@ -2,7 +2,7 @@
 
 Each POST is signed per the Standard Webhooks spec (webhook-id, webhook-timestamp,
 webhook-signature; one v1 HMAC-SHA256 per current `whsec_` secret of the delivery's
-tenant, else of the deployment, so rotation works; secrets.py),
+tenant (its own, else those derived for it), so rotation works; secrets.py),
 keeps the same webhook-id on every attempt, does not follow redirects, and goes only to
 allowed addresses and ports (guard.py), never through a proxy named in the environment
 (HTTP_PROXY and the like: the guard checked the destination, not a proxy). Failures are

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gateway.common.settings import CommaList, ServiceSettings
+from gateway.protocol.webhook_secrets import secrets_problem
 
 
 class GatewaySettings(ServiceSettings):
@@ -53,6 +54,27 @@ class GatewaySettings(ServiceSettings):
     batch_lease_s: float = Field(default=15.0, gt=0)
     batch_poll_s: float = Field(default=0.5, gt=0)
     batch_concurrency: int = Field(default=4, ge=1)
+    # A batch line longer than this (bytes, as in the file) is a failed line
+    # (`line_too_large`), never stored: the same bound as a request's body.
+    batch_max_line_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # A batch whose validation was started this often without ending (its runner died or
+    # lost the lease each time) fails (`validation_failed`) instead of starting again.
+    batch_max_validations: int = Field(default=3, ge=1)
+    # A runner drives one batch this long at a turn, then hands it back and claims again,
+    # the tenant served least recently first: one tenant's many batches never hold every
+    # runner while another tenant's wait.
+    batch_turn_s: float = Field(default=5.0, gt=0)
+
+    # -- What a tenant may store (0: no limit) ------------------------------------------
+    # Files (uploads and batch outputs alike count; only an upload is refused, 403).
+    tenant_max_files: int = Field(default=1000, ge=0)
+    tenant_max_file_bytes: int = Field(default=20 * 1024**3, ge=0)
+    # Batches not ended yet (429 beyond: one ends, another may start), and their lines
+    # together (a batch over it fails at validation, `batch_lines_quota_exceeded`).
+    tenant_max_active_batches: int = Field(default=100, ge=0)
+    tenant_max_batch_lines: int = Field(default=500_000, ge=0)
+    # API keys not revoked (403 beyond).
+    tenant_max_keys: int = Field(default=100, ge=0)
 
     # -- Tenants --------------------------------------------------------------------------
     # Every call but /healthz and /readyz needs `Authorization: Bearer <API key>`.
@@ -69,6 +91,9 @@ class GatewaySettings(ServiceSettings):
     # not for a public /metrics, and many tenants make many series. On only with
     # PUBLIC_METRICS=false (then /metrics needs a key).
     metrics_tenant_label: bool = False
+    # The binder's WEBHOOK_SECRETS (the same value): the gateway derives from them the
+    # webhook secret it shows a tenant's admin (GET /admin/tenants/<t>/webhook-secret).
+    webhook_secrets: CommaList = []
 
     # -- Admission ---------------------------------------------------------------------
     # Interactive requests waiting (not started), and payload bytes of all waiting
@@ -150,6 +175,14 @@ class GatewaySettings(ServiceSettings):
     # generation is collected after this many new objects (Python's default: 700); 0 leaves
     # the collector as Python sets it (app.py keep_collector_off_the_hot_path).
     gc_young_threshold: int = Field(default=10_000, ge=0)
+
+    @field_validator("webhook_secrets")
+    @classmethod
+    def _secrets_can_sign(cls, secrets: list[str]) -> list[str]:
+        problem = secrets_problem(secrets)
+        if problem:
+            raise ValueError(problem)
+        return secrets
 
     @model_validator(mode="after")
     def _tenant_names_are_not_public(self) -> Self:

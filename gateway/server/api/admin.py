@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.protocol import WebhookSpec
 from gateway.protocol.records import replica_name
-from gateway.protocol.webhook_secrets import secrets_problem
+from gateway.protocol.webhook_secrets import secrets_problem, tenant_secrets
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, admin, caller, manage, operator
 from gateway.server.routing.load import LoadTracker, ReplicaLoad
@@ -51,7 +51,8 @@ class TenantSettings(BaseModel):
     # The tenant's own limits, within the grant (0: the grant's), whoever sets them.
     own_limits: TenantLimits = Field(default_factory=TenantLimits)
     # Standard Webhooks secrets that sign this tenant's webhooks, all of them (newest first;
-    # two during a rotation). Empty: the deployment's WEBHOOK_SECRETS sign them.
+    # two during a rotation). Empty: its secrets derived from the deployment's WEBHOOK_SECRETS
+    # sign them (GET /admin/tenants/<t>/webhook-secret shows them).
     webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
     # Where OpenAI-style webhook events of this tenant's /v1 objects go (background responses,
     # batches): an http(s) URL, checked as a request's webhook is; null: none are sent.
@@ -219,3 +220,25 @@ async def own_usage(
     request: Request, who: Annotated[Caller, Depends(caller)], days: Annotated[int, Query(ge=1, le=90)] = 7
 ) -> dict[str, Any]:
     return await services(request).usage.read(who.tenant, days)
+
+@router.get("/admin/tenants/{tenant}/webhook-secret", summary="The secrets that verify a tenant's webhooks")
+async def tenant_webhook_secret(
+    tenant: str, request: Request, who: Annotated[Caller, Depends(admin)]
+) -> dict[str, Any]:
+    """A tenant without secrets of its own is signed with secrets derived from the
+    deployment's WEBHOOK_SECRETS and its name, shown here (newest first; two during a
+    rotation). Secrets the tenant set itself are never echoed: only how many."""
+    manage(who, tenant)
+    svc = services(request)
+    own = (await svc.tenants.get(tenant, fresh=True)).webhook_secrets
+    if own:
+        return {"tenant": tenant, "source": "tenant", "count": len(own)}
+    if not svc.settings.webhook_secrets:
+        raise ApiError(
+            409,
+            "no_webhook_secret",
+            f"no secret signs tenant {tenant}'s webhooks: the gateway has no WEBHOOK_SECRETS to derive one from; "
+            f"set the tenant's own with PUT /admin/tenants/{tenant}",
+        )
+    secrets = list(tenant_secrets(svc.settings.webhook_secrets, tenant))
+    return {"tenant": tenant, "source": "derived", "count": len(secrets), "secrets": secrets}
