@@ -948,3 +948,30 @@ async def test_the_lease_keeper_forgets_a_run_whose_own_finish_landed_without_st
     assert flags == []  # not reported stale: the dispatcher would cancel a run awaiting its own FINISH
     keeper.add(request_id, "a later run")  # (it was forgotten: a fresh add is the only entry)
     assert keeper._runs == {request_id: "a later run"}
+
+
+# -- the high band: a head start, not more than a share ------------------------------------------
+
+
+async def test_an_idle_granted_tenants_high_band_request_goes_before_the_normal_backlog(store: JobStore) -> None:
+    for tenant in ("a", "b", "c"):
+        await queue(store, tenant, 3)
+    _, (urgent,) = await queue(store, "granted", 1, band="high")
+    assert (await take_all(store))[0].request_id == urgent
+
+
+async def test_a_flood_in_the_high_band_gets_its_tenant_its_share_and_no_more(store: JobStore) -> None:
+    await queue(store, "granted", 40, band="high")
+    _, ordinary = await queue(store, "other", 5)
+    order = [job.request_id for job in await take_all(store)]
+    # An equal tenant without priority would alternate with it; the grant adds its head start.
+    last_ordinary = max(order.index(request_id) for request_id in ordinary)
+    assert last_ordinary < 2 * len(ordinary) + scripts.HIGH_BAND_LEAD
+
+
+async def test_a_tenant_waiting_in_the_high_and_normal_bands_has_one_share(store: JobStore) -> None:
+    await queue(store, "both", 20, band="high")
+    await queue(store, "both", 20)
+    _, ordinary = await queue(store, "other", 5)
+    order = [job.request_id for job in await take_all(store)]
+    assert max(order.index(request_id) for request_id in ordinary) < 2 * len(ordinary) + scripts.HIGH_BAND_LEAD

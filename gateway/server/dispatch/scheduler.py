@@ -2,12 +2,16 @@
 
 1. **Reclaimed first.** A request that was running when its dispatcher died (its lease ran
    out) or stopped (it handed it on) starts again before anything else of its model.
-2. **Bands in order**: high, normal, low, batch. A lower band starts only while no tenant
-   of a higher band can.
-3. **Weighted fair share between tenants, per model.** Within a band, tenants take turns
-   by start-time fair queuing: each tenant with waiting work has a virtual time; the
-   lowest starts next and its virtual time grows by 1/weight; a tenant that becomes
-   ready joins at the band's current virtual time (so it neither waits behind others'
+2. **Bands**: the high and normal bands together, then low, then batch. A lower band
+   starts only while no tenant of a higher one can. The high band (an operator's grant)
+   is a head start, not a pass: its tenants join `HIGH_BAND_LEAD` ahead of the shared
+   virtual clock, so a granted tenant's request goes before the normal backlog while the
+   tenant is within its share, and a flood of them gets it its share and no more.
+3. **Weighted fair share between tenants, per model.** Within a band (and across high and
+   normal), tenants take turns by start-time fair queuing: each tenant with waiting work
+   has a virtual time; the lowest starts next and its virtual time grows by 1/weight (in
+   both the high and the normal band where it waits in both: one share); a tenant that
+   becomes ready joins at the current virtual time (so it neither waits behind others'
    backlogs nor saves up credit while idle). Each model has its own queues, virtual times
    and ready sets: traffic on one model never holds back another.
 4. **Concurrency limits.** A tenant at its `max_concurrent` leaves the ready sets until one

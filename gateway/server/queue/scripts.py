@@ -27,14 +27,23 @@ on) is counted apart (`handovers`): the delivery limit counts attempts less hand
 The queue: a request waits in its tenant's list `q:<model>:<band>:<tenant>`; tenants with
 waiting work are members of `ready:<model>:<band>`, scored by virtual time (start-time
 fair queuing: a tenant's score grows by 1/weight with each request it starts; a tenant
-that becomes ready joins at the band's current virtual time). TAKE serves the lowest
-score of the highest band, so one decision costs O(log tenants)."""
+that becomes ready joins at the current virtual time). The high and normal bands share
+one virtual clock (`clock`) and are served by score across both: a tenant joining the
+high band (a grant: api/admin.py) joins HIGH_BAND_LEAD ahead of the clock, so its
+requests go first while it is within its share, and a flood of them gets the tenant its
+share and no more (each start moves its score in both bands). The low band is served
+when neither holds a tenant to serve, the batch band after all. One decision costs
+O(log tenants)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from gateway.protocol.redis_keys import BANDS, Shard
+
+# A tenant joining the high band joins this far ahead of the virtual clock: its first
+# requests go before the normal band's by up to this many starts at weight 1.
+HIGH_BAND_LEAD = 4
 
 # -- The keys, in the order the scripts read them from KEYS ------------------------------
 
@@ -116,7 +125,10 @@ end
 # The shard's keys and the helpers over them: counters that vanish at zero, tenant
 # settings, the concurrency limit, the virtual clock, `sync`.
 _SHARD = (
-    """
+    f"""
+local HIGH_BAND_LEAD = {HIGH_BAND_LEAD}
+"""
+    + """
 local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
 local TENANTS, RUNNING, VCLOCK, BACKLOG, STARTED, LEASES, DEADLINES, RESULTS, SYNC, NOTICES = unpack(KEYS, 1, 10)
 local function num(v) return tonumber(v) or 0 end
@@ -133,7 +145,21 @@ local function at_limit(tenant)
   local _, limit = conf(tenant)
   return limit > 0 and num(redis.call('HGET', RUNNING, 't:' .. tenant)) >= limit
 end
-local function vnow(mb) return num(redis.call('HGET', VCLOCK, mb)) end
+-- The virtual clock a band's tenants are scored by: the high and normal bands share the
+-- normal band's (served by score across both), low and batch have their own.
+local function clock(mb)
+  local model, band = string.match(mb, '^(.*):([^:]*)$')
+  if band == 'high' then return model .. ':normal' end
+  return mb
+end
+local function vnow(mb) return num(redis.call('HGET', VCLOCK, clock(mb))) end
+-- The score a tenant that becomes ready in (model, band) joins at: the clock, less the
+-- high band's lead.
+local function joins_at(mb)
+  local v = vnow(mb)
+  if string.sub(mb, -5) == ':high' then return v - HIGH_BAND_LEAD end
+  return v
+end
 local function counters(band, tenant)
   if band == 'batch' then return 'batch', 'b:' .. tenant end
   return 'all', 't:' .. tenant
@@ -340,7 +366,7 @@ local function submit(kb, ab)
     if own_limit_reached() then
       redis.call('SADD', BLOCKED, mb)
     else
-      redis.call('ZADD', READY[band], vnow(mb), tenant)
+      redis.call('ZADD', READY[band], joins_at(mb), tenant)
     end
   end
   add_backlog(total_field, k)
@@ -432,6 +458,50 @@ local function start(rid, restarted, run)
   return h[4]  -- pieces emitted by earlier runs
 end
 local light = ARGV[7] == '1'
+-- The first tenant of a band's ready set TAKE may serve (a tenant at its concurrency limit
+-- leaves the set for its blocked set; light only: a tenant that runs nothing of the model):
+-- tenant, its score, the set's least score; or nil and whether tenants wait that are not light.
+local function head_of(band)
+  local mb = model .. ':' .. band
+  local ready = READY[band]
+  for i = 1, 64 do
+    local heads = redis.call('ZRANGE', ready, 0, light and 7 or 0, 'WITHSCORES')
+    if #heads == 0 then return nil, nil, nil, false end
+    local removed = false
+    for j = 1, #heads, 2 do
+      local t = heads[j]
+      if at_limit(t) then
+        redis.call('ZREM', ready, t)
+        redis.call('SADD', P .. 'blocked:' .. t, mb)
+        removed = true
+      elseif not light or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. t)) == 0 then
+        return t, tonumber(heads[j + 1]), tonumber(heads[2]), false
+      end
+    end
+    if not removed then return nil, nil, nil, light end
+  end
+  return nil, nil, nil, false
+end
+-- The tenant's next request of the band, if still queued; its score moves on by 1/weight,
+-- in the other shared band too (a tenant waiting in both has one share, not two), and the
+-- band's clock to the set's least score.
+local function pop(band, tenant, score, least)
+  local mb = model .. ':' .. band
+  local ready = READY[band]
+  local q = P .. 'q:' .. mb .. ':' .. tenant
+  local rid = redis.call('LPOP', q)
+  local step = 1 / conf(tenant)
+  if redis.call('LLEN', q) == 0 then
+    redis.call('ZREM', ready, tenant)
+  else
+    redis.call('ZADD', ready, score + step, tenant)
+  end
+  local other = band == 'high' and READY.normal or band == 'normal' and READY.high or nil
+  if other then redis.call('ZADD', other, 'XX', 'INCR', step, tenant) end
+  if least > vnow(mb) then redis.call('HSET', VCLOCK, clock(mb), least) end
+  if rid and redis.call('HGET', P .. 'req:' .. rid, 'state') == 'queued' then return rid end
+  return nil
+end
 -- The next request to start: (id, restarted), or nil and whether work is held back.
 local function next_request()
   -- Requests whose dispatcher died (or handed them over) first: they were running.
@@ -442,38 +512,31 @@ local function next_request()
     local h = redis.call('HMGET', P .. 'req:' .. rid, 'state', 'owner')
     if h[1] == 'running' and not h[2] then return rid, true end
   end
-  for _, band in ipairs({'high', 'normal', 'low', 'batch'}) do
-    local mb = model .. ':' .. band
-    local ready = READY[band]
+  -- The high and normal bands by score across both (the high band's lead is in its
+  -- scores; a tie goes to the high band), then the low band, then the batch band.
+  for i = 1, 64 do
+    local best, held = nil, false
+    for _, band in ipairs({'high', 'normal'}) do
+      local tenant, score, least, h = head_of(band)
+      held = held or h
+      if tenant and (not best or score < best[3]) then best = {band, tenant, score, least} end
+    end
+    if not best then
+      if held then return nil, true end
+      break
+    end
+    local rid = pop(unpack(best))
+    if rid then return rid, false end
+  end
+  for _, band in ipairs({'low', 'batch'}) do
     for i = 1, 64 do
-      local heads = redis.call('ZRANGE', ready, 0, light and 7 or 0, 'WITHSCORES')
-      if #heads == 0 then break end
-      local head_score = tonumber(heads[2])
-      local tenant, score = nil, nil
-      for j = 1, #heads, 2 do
-        local t = heads[j]
-        if at_limit(t) then
-          redis.call('ZREM', ready, t)
-          redis.call('SADD', P .. 'blocked:' .. t, mb)
-        elseif not light or num(redis.call('HGET', RUNNING, 'm:' .. model .. ':' .. t)) == 0 then
-          tenant, score = t, tonumber(heads[j + 1])
-          break
-        end
-      end
+      local tenant, score, least, held = head_of(band)
       if not tenant then
-        if light and redis.call('ZCARD', ready) > 0 then return nil, true end
-      else
-        local q = P .. 'q:' .. mb .. ':' .. tenant
-        local rid = redis.call('LPOP', q)
-        if redis.call('LLEN', q) == 0 then
-          redis.call('ZREM', ready, tenant)
-        else
-          local weight = conf(tenant)
-          redis.call('ZADD', ready, score + 1 / weight, tenant)
-        end
-        if head_score > vnow(mb) then redis.call('HSET', VCLOCK, mb, head_score) end
-        if rid and redis.call('HGET', P .. 'req:' .. rid, 'state') == 'queued' then return rid, false end
+        if held then return nil, true end
+        break
       end
+      local rid = pop(band, tenant, score, least)
+      if rid then return rid, false end
     end
   end
   return nil, false
@@ -642,7 +705,7 @@ local function unblock(tenant, blocked)
   if redis.call('EXISTS', blocked) == 0 or at_limit(tenant) then return end
   for _, mb in ipairs(redis.call('SMEMBERS', blocked)) do
     if redis.call('LLEN', P .. 'q:' .. mb .. ':' .. tenant) > 0 then
-      redis.call('ZADD', P .. 'ready:' .. mb, 'NX', vnow(mb), tenant)
+      redis.call('ZADD', P .. 'ready:' .. mb, 'NX', joins_at(mb), tenant)
       redis.call('PUBLISH', 'work', P .. string.match(mb, '^(.*):[^:]*$'))
     end
   end
