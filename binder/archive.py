@@ -6,11 +6,16 @@ acknowledged its write. Stored results get their webhooks queued.
 Recovery needs no lock: entries left pending by a dead binder are reclaimed once idle;
 an entry delivered too often goes to the dead-letter stream with its error (and can be
 replayed from there); trimming drops only acknowledged entries. A result MongoDB can never
-take (BSON cannot encode it, or it is over the document size limit) goes there at once,
-with its reason: the rest of its batch is stored, and the entries after it too.
+take (BSON cannot encode it, it is over the document size limit, or MongoDB refused the
+document) ends as failed instead: its record, as `result_unstorable` without its inputs,
+parameters and outputs (ResultStore.unstorable_record), goes on the results stream in its
+place (stored, polled and sent to its webhook as any other), and the dead-letter stream
+names it with its reason (by reference: what cannot be stored is not kept). The rest of
+its batch is stored, and the entries after it too. Dead letters are kept LIVE_STATE_TTL_S.
 
-MongoDB out of reach is an outage, not a bad entry: the run fails (the supervisor backs
-off and /healthz says so) instead of handing the batch to reclaim, which would count
+MongoDB out of reach, or failing the whole call for any other reason (a primary stepping
+down, a timeout), is an outage, not a bad entry: the run fails (the supervisor backs off
+and /healthz says so) instead of handing the batch to reclaim, which would count
 deliveries against the entries and dead-letter good results."""
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
 from gateway.common.logs import request_ids_bound
 from gateway.common.redis import REDIS_OUTAGE
-from gateway.common.result_store import ResultStore
+from gateway.common.result_store import ResultStore, Unstorable
 from gateway.common.retry import raise_if_cancelled
 from gateway.common.streams import Entry, StreamConsumer, stream_id_order
 from gateway.protocol import ResultRecord, valid_request_id
@@ -53,6 +58,17 @@ for i = 1, #KEYS, 2 do
   end
 end
 return 1
+"""
+
+# A result MongoDB can never store ends as failed: its failed record (ARGV[2]) goes on the
+# results stream (KEYS[1]) in its place, and the request's hash (KEYS[2]; never re-created
+# once it has expired) names it, so that polls read it from now on. ARGV[1]: the request id.
+FAIL_UNSTORABLE = """
+local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'record', ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'state', 'failed', 'result', entry)
+end
+return entry
 """
 
 # Trimming: a results entry goes once it is stored (the group acknowledged it), every live
@@ -94,13 +110,15 @@ class Archiver:
                 max_deliveries=settings.max_deliveries,
                 explain=self._explain,
                 on_dead_letter=self._let_live_state_go,
+                dead_letter_keep_s=settings.live_state_ttl_s,
             )
             for shard in self.shards
         }
         self._mark_stored = redis.register_script(MARK_STORED)
+        self._fail_unstorable = redis.register_script(FAIL_UNSTORABLE)
         self.stored_total = 0
-        # Entries this binder dead-lettered, by reason: "unencodable" and "too_large" (at
-        # once), "redelivered" (delivered max_deliveries times without being stored).
+        # Entries this binder dead-lettered, by reason: "unencodable", "too_large" and
+        # "refused" (at once), "redelivered" (delivered max_deliveries times without being stored).
         self.dead_lettered: dict[str, int] = {}
         self.prepared = False
 
@@ -219,8 +237,11 @@ class Archiver:
         dead = 0
         for request_id, (kind, why) in outcome.refused.items():
             with request_ids_bound(trace_id=records[request_id].trace_id, request_id=request_id):
+                await self._fail_in_place(records[request_id], kind, why)
                 for entry in entry_of[request_id]:
-                    await consumer.dead_letter(entry, f"MongoDB cannot store this result ({kind}): {why}")
+                    await consumer.dead_letter(
+                        entry, f"MongoDB cannot store this result ({kind}): {why}", replayable=False
+                    )
                     self._count_dead_letter(kind)
                     dead += 1
         for request_id, error in outcome.failed.items():
@@ -244,6 +265,22 @@ class Archiver:
         await consumer.ack(stream, *acked)
         self.stored_total += len(outcome.stored)
         return dead + len(acked)
+
+    async def _fail_in_place(self, record: ResultRecord, kind: str, why: str) -> None:
+        """The request ends as failed: its failed record on the results stream in place of
+        the one MongoDB cannot take (stored as any other later), named by its hash. Written
+        before the entry is dead-lettered: a crash between the two writes it again, which
+        storing and webhooks take as the same record."""
+        shard = shard_of(record.request_id)
+        try:
+            failed = self.store.unstorable_record(record, kind, why)
+        except Unstorable as exc:  # not even that: the live state is left to expire
+            log.error("not even the failed record of %s can be stored: %s", record.request_id, exc.why)
+            await self._let_live_state_go(Entry(shard.results, "0-0", {"id": record.request_id}))
+            return
+        await self._fail_unstorable(
+            keys=[shard.results, shard.request(record.request_id)], args=[record.request_id, failed.model_dump_json()]
+        )
 
     def _count_dead_letter(self, reason: str) -> None:
         self.dead_lettered[reason] = self.dead_lettered.get(reason, 0) + 1
@@ -280,10 +317,12 @@ class Archiver:
         found = []
         for shard in self.shards:
             for entry_id, fields in await self.redis.xrange(shard.results_dead, count=limit):
-                try:
-                    request_id = json.loads(fields.get("fields") or "{}").get("id")
-                except ValueError:
-                    request_id = None
+                request_id = fields.get("id") or None
+                if request_id is None:  # (parked before dead letters named it)
+                    try:
+                        request_id = json.loads(fields.get("fields") or "{}").get("id")
+                    except ValueError:
+                        request_id = None
                 found.append(
                     {
                         "id": entry_id,
@@ -293,18 +332,22 @@ class Archiver:
                         "error": fields.get("error"),
                         "deliveries": int(fields.get("deliveries") or 0),
                         "at": float(fields.get("at") or 0),
+                        "replayable": "fields" in fields,
                     }
                 )
         return found
 
     async def replay_dead_letters(self, limit: int = 1000) -> int:
         """Put dead-lettered results back on their results streams (after the cause, say a
-        MongoDB problem, is fixed). Returns how many were requeued."""
+        MongoDB problem, is fixed). Returns how many were requeued. Those parked by
+        reference (never storable: their requests ended as failed) stay until they expire."""
         requeued = 0
         for shard in self.shards:
             entries = await self.redis.xrange(shard.results_dead, count=limit)
             for entry_id, fields in entries:
-                original = json.loads(fields.get("fields") or "{}")
+                if "fields" not in fields:
+                    continue
+                original = json.loads(fields["fields"] or "{}")
                 if original.get("record"):
                     await self.redis.xadd(shard.results, original)
                     requeued += 1

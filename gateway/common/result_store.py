@@ -7,12 +7,16 @@ vectors (binary subtype 9): a quarter of the size of an array of doubles, and fa
 cheaper to write.
 
 A document MongoDB can never take (BSON cannot encode it: an integer over 64 bits, a
-string that is not UTF-8; or it is over the server's document size limit) is refused
-before anything is sent, alone: the others of its batch are stored, and the caller
-dead-letters it instead of retrying it for ever."""
+string that is not UTF-8; or it is over the server's document size limit; or MongoDB
+refused that document itself) is refused alone: the others of its batch are stored, and
+the caller dead-letters it instead of retrying it for ever, storing in its place the
+request's record as failed (`result_unstorable`, `unstorable_record`). An error that is not
+a document's (the server stepping down, a timeout, out of reach) is an outage: nothing of
+the batch counts as stored or refused, and the caller retries it."""
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,9 +28,10 @@ from bson.binary import Binary, BinaryVectorDtype
 from bson.raw_bson import RawBSONDocument
 from pymongo import AsyncMongoClient, WriteConcern
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError, ConnectionFailure, PyMongoError
+from pymongo.errors import BulkWriteError, PyMongoError
 
-from gateway.protocol import ResultRecord
+from gateway.protocol import ErrorInfo, ResultRecord, State
+from gateway.protocol.vectors import is_packed, packed_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,37 @@ DUPLICATE_KEY = 11000
 VECTOR_SUBTYPE = 9
 # MongoDB's document size limit, unless the server says another (hello's maxBsonObjectSize).
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+# The error code of a request whose result MongoDB could never store (its record is failed).
+RESULT_UNSTORABLE = "result_unstorable"
+# Write errors that are the document's own (retrying it cannot help). Any other write
+# error of a document is retried (counted against its deliveries); an error of the whole
+# call is an outage.
+DOCUMENT_ERRORS = {
+    2: "BadValue",
+    14: "TypeMismatch",
+    52: "DollarPrefixedFieldName",
+    121: "DocumentValidationFailure",
+    10334: "BSONObjectTooLarge",
+    17280: "KeyTooLong",
+}
+# Write errors of a document that are the server's state, not the document's: the call is
+# an outage (retried without counting against the records).
+SERVER_ERRORS = {
+    6: "HostUnreachable",
+    7: "HostNotFound",
+    50: "MaxTimeMSExpired",
+    89: "NetworkTimeout",
+    91: "ShutdownInProgress",
+    112: "WriteConflict",
+    189: "PrimarySteppedDown",
+    262: "ExceededTimeLimit",
+    9001: "SocketException",
+    10107: "NotWritablePrimary",
+    11600: "InterruptedAtShutdown",
+    11602: "InterruptedDueToReplStateChange",
+    13435: "NotPrimaryNoSecondaryOk",
+    13436: "NotPrimaryOrSecondary",
+}
 
 
 def pack_vector(vector: list[float]) -> Binary:
@@ -50,6 +86,22 @@ def unpack_vector(value: Any) -> list[float]:
     return [float(x) for x in value.as_vector().data]
 
 
+def pack_output(value: Any) -> Any:
+    """An embedding output as MongoDB holds it: one vector as a BSON float32 vector; the
+    packed vectors of a many-input request (gateway.protocol.vectors) with their bytes as
+    BSON binary."""
+    if is_packed(value):
+        return {**value, "data": Binary(packed_bytes(value))}
+    return pack_vector(value)
+
+
+def unpack_output(value: Any) -> Any:
+    """An embedding output as the record holds it (the packed bytes as base64 again)."""
+    if is_packed(value):
+        return {**value, "data": base64.b64encode(packed_bytes(value)).decode("ascii")}
+    return unpack_vector(value)
+
+
 def _vector_output(document: dict[str, Any]) -> str | None:
     index = document.get("index")
     return index.get("output") if isinstance(index, dict) else None
@@ -62,7 +114,7 @@ def record_to_document(record: ResultRecord) -> dict[str, Any]:
     document["tenant"] = record.tenant  # always present: every read filters on it
     name = record.index.output if record.index else None
     if record.outputs is not None and name and record.outputs.get(name) is not None:
-        document["outputs"] = {**record.outputs, name: pack_vector(record.outputs[name])}
+        document["outputs"] = {**record.outputs, name: pack_output(record.outputs[name])}
     return document
 
 
@@ -71,7 +123,7 @@ def record_from_document(document: dict[str, Any]) -> ResultRecord:
     name = _vector_output(document)
     outputs = fields.get("outputs")
     if name and isinstance(outputs, dict) and outputs.get(name) is not None:
-        fields["outputs"] = {**outputs, name: unpack_vector(outputs[name])}
+        fields["outputs"] = {**outputs, name: unpack_output(outputs[name])}
     return ResultRecord.model_validate(fields)
 
 
@@ -90,7 +142,8 @@ def expiry_of(record: ResultRecord, retention: timedelta) -> datetime:
 
 
 class Unstorable(ValueError):
-    """A result MongoDB can never store, whatever is retried: kind "unencodable" or "too_large"."""
+    """A result MongoDB can never store, whatever is retried: kind "unencodable", "too_large"
+    or "refused" (MongoDB refused the document: DOCUMENT_ERRORS)."""
 
     def __init__(self, kind: str, why: str) -> None:
         super().__init__(why)
@@ -102,9 +155,11 @@ class InsertOutcome:
     stored: list[str] = field(default_factory=list)  # request ids now in MongoDB (new or already there)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error
     # Request id -> (kind, why) of documents MongoDB can never take: "unencodable" (BSON
-    # cannot encode it) or "too_large". Never sent, never stored: retrying cannot help.
+    # cannot encode it), "too_large" (neither sent) or "refused" (MongoDB refused it, a
+    # DOCUMENT_ERRORS code). Not stored: retrying cannot help.
     refused: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # MongoDB could not be reached at all (not a refusal of some documents).
+    # The call failed as a whole (out of reach, or any other error that is not a
+    # document's): an outage; `failed` names every record sent.
     unavailable: bool = False
 
 
@@ -194,19 +249,49 @@ class ResultStore:
             await self.collection.insert_many(documents, ordered=False)
         except BulkWriteError as exc:
             for error in exc.details.get("writeErrors", []):
-                if error.get("code") != DUPLICATE_KEY:
-                    outcome.failed[sendable[error["index"]].request_id] = error.get("errmsg", "write failed")
+                code, request_id = error.get("code"), sendable[error["index"]].request_id
+                message = error.get("errmsg", "write failed")
+                if code in DOCUMENT_ERRORS:
+                    outcome.refused[request_id] = ("refused", f"MongoDB refused it: {DOCUMENT_ERRORS[code]}: {message}")
+                elif code != DUPLICATE_KEY:
+                    outcome.failed[request_id] = message
+                    if code in SERVER_ERRORS or "RetryableWriteError" in (error.get("errorLabels") or ()):
+                        outcome.unavailable = True
             concern = exc.details.get("writeConcernErrors") or []
             if concern:
                 message = concern[0].get("errmsg", "write concern not satisfied")
                 for record in sendable:
                     outcome.failed.setdefault(record.request_id, f"write concern: {message}")
         except PyMongoError as exc:
-            outcome.unavailable = isinstance(exc, ConnectionFailure)
+            # Not a document's error (those come as BulkWriteError of an unordered insert):
+            # out of reach, a primary stepping down, a timeout. Counting it against the
+            # records' deliveries would dead-letter good results.
+            outcome.unavailable = True
             for record in sendable:
                 outcome.failed[record.request_id] = f"{type(exc).__name__}: {exc}"
-        outcome.stored = [r.request_id for r in sendable if r.request_id not in outcome.failed]
+        outcome.stored = [
+            r.request_id for r in sendable if r.request_id not in outcome.failed and r.request_id not in outcome.refused
+        ]
         return outcome
+
+    def unstorable_record(self, record: ResultRecord, kind: str, why: str) -> ResultRecord:
+        """What is stored for a request whose record MongoDB can never take: the request
+        failed (`result_unstorable`, saying why), without its inputs, parameters and outputs
+        (where what cannot be stored lives); its labels, usage and webhook kept. Raises
+        Unstorable if even that cannot be stored."""
+        message = f"the result could not be stored ({kind}): {why}"[:1000]
+        failed = record.model_copy(
+            update={
+                "status": State.FAILED,
+                "inputs": {},
+                "parameters": {},
+                "outputs": None,
+                "index": None,
+                "error": ErrorInfo(code=RESULT_UNSTORABLE, message=message),
+            }
+        )
+        self.encoded(failed)
+        return failed
 
     async def set_webhook_status(self, request_id: str, status: str, attempts: list[dict[str, Any]]) -> None:
         # The whole list is set (not $push) so a retried update cannot append twice.

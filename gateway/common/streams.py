@@ -8,6 +8,10 @@ binder (results): one member of a consumer group.
   each stream's whole pending list with the cursor carried forward between calls;
   an entry delivered more than max_deliveries times goes to the dead-letter stream
   with its error instead of being handed out again; an entry trimmed away is acked;
+- dead letters: each names its entry (and the entry's `id` field) with the error, and
+  holds the entry's fields only where they can be replayed; the stream keeps them
+  dead_letter_keep_s (and at most DEAD_LETTERS_KEPT), so what callers can trigger cannot
+  fill Redis;
 - trim: drop only entries the group has delivered and acknowledged.
 
 Correctness does not rest on who holds an entry: the work an entry stands for is fenced
@@ -26,6 +30,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 log = logging.getLogger(__name__)
+
+# Dead letters a stream keeps at most, whatever their age (the newest).
+DEAD_LETTERS_KEPT = 10_000
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class StreamConsumer:
     explain: Callable[[Entry], str] | None = None
     # Called after an entry is parked as a dead letter (what else it leaves behind).
     on_dead_letter: Callable[[Entry], Awaitable[None]] | None = None
+    # How long a dead letter is kept (time to inspect and replay it).
+    dead_letter_keep_s: int = 24 * 3600
     # Where each stream's XAUTOCLAIM walk has got to.
     _cursors: dict[str, str] = field(default_factory=dict)
     _groups: set[str] = field(default_factory=set)
@@ -141,26 +150,34 @@ class StreamConsumer:
         )
         return {d["message_id"]: int(d["times_delivered"]) for d in details}
 
-    async def dead_letter(self, entry: Entry, error: str) -> None:
-        """Park a poison entry, with its error, where an operator can inspect and replay it."""
+    async def dead_letter(self, entry: Entry, error: str, *, replayable: bool = True) -> None:
+        """Park a poison entry, with its error, where an operator can inspect it: whole
+        where it can be replayed, else by reference (its stream, entry id and `id` field),
+        and for dead_letter_keep_s. A replayable one's on_dead_letter is called after (an
+        entry parked by reference leaves what it left behind to its caller)."""
+        now = time.time()
+        parked: dict[str, str | int | float] = {
+            "stream": entry.stream,
+            "entry": entry.id,
+            "id": entry.fields.get("id", ""),
+            "error": error[:2000],
+            "deliveries": entry.deliveries,
+            "at": now,
+        }
+        if replayable:
+            parked["fields"] = json.dumps(entry.fields)
         async with self.redis.pipeline(transaction=True) as pipe:
+            # MINID keeps what is younger than dead_letter_keep_s, the count bounds the rest,
+            # and the stream itself goes dead_letter_keep_s after its last dead letter.
             pipe.xadd(
-                self.dead_letters,
-                {
-                    "stream": entry.stream,
-                    "entry": entry.id,
-                    "fields": json.dumps(entry.fields),
-                    "error": error[:2000],
-                    "deliveries": entry.deliveries,
-                    "at": time.time(),
-                },
-                maxlen=100_000,
-                approximate=True,
+                self.dead_letters, parked, minid=f"{int((now - self.dead_letter_keep_s) * 1000)}-0", approximate=False
             )
+            pipe.xtrim(self.dead_letters, maxlen=DEAD_LETTERS_KEPT, approximate=True)
+            pipe.expire(self.dead_letters, self.dead_letter_keep_s)
             pipe.xack(entry.stream, self.group, entry.id)
             await pipe.execute()
         log.error("entry %s of %s dead-lettered: %s", entry.id, entry.stream, error)
-        if self.on_dead_letter is not None:
+        if replayable and self.on_dead_letter is not None:
             await self.on_dead_letter(entry)
 
     async def trim(self, stream: str, keep_newer_than_s: float = 0, read_up_to: str | None = None) -> None:

@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
+import bson
 import pytest
 from pydantic import ValidationError
+from pymongo import AsyncMongoClient
+from pymongo.errors import BulkWriteError, OperationFailure
 
+from gateway.common.result_store import RESULT_UNSTORABLE, ResultStore, Unstorable
+from gateway.protocol import ResultRecord, State, new_request_id, utc
 from gateway.protocol.storable import INT64_MAX, INT64_MIN, UNSTORABLE_NUMBER, first_unstorable
 from gateway.server.api.errors import ErrorRenderer
 from gateway.server.models.base import InvalidInput, check
-from gateway.server.models.llm_engine import EngineInputs
+from gateway.server.models.llm_engine import LOGPROBS_BUDGET_BYTES, EngineInputs, EngineLlmAdapter, logprobs_bound
 from gateway.server.openai.errors import openai_error
 from gateway.server.openai.schemas import BatchLine, ChatCompletionRequest, ResponseRequest
 
@@ -149,3 +155,92 @@ def test_the_validation_error_reads_unstorable_number_natively_and_under_v1() ->
     assert answer.status_code == 400
     assert body["code"] == UNSTORABLE_NUMBER and body["param"] == "tools.0.function.parameters"
     assert "properties.count.maximum" in body["message"]
+
+
+# -- storing: a document's own error against an outage (gateway.common.result_store) ------
+
+
+class _Failing:
+    """A collection whose insert_many raises what it is given."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def insert_many(self, documents: list[Any], ordered: bool) -> None:
+        raise self.error
+
+
+def _store(error: Exception) -> ResultStore:
+    store = ResultStore(AsyncMongoClient("mongodb://127.0.0.1:1", connect=False), "unused", retention_s=3600)
+    store.collection = _Failing(error)  # type: ignore[assignment]
+    return store
+
+
+def _records(count: int) -> list[ResultRecord]:
+    now = time.time()
+    return [
+        ResultRecord(request_id=new_request_id(now), model="llm", status=State.SUCCEEDED, created_at=utc(now))
+        for _ in range(count)
+    ]
+
+
+async def test_an_error_of_the_whole_insert_that_is_no_connection_failure_is_an_outage() -> None:
+    records = _records(2)
+    outcome = await _store(OperationFailure("not primary", code=10107)).insert(records)
+    # The old code counted it as the records' failure: retried until dead-lettered.
+    assert outcome.unavailable and outcome.stored == [] and not outcome.refused
+    assert set(outcome.failed) == {r.request_id for r in records}
+
+
+async def test_a_document_mongodb_refuses_is_refused_alone_and_a_server_error_is_an_outage() -> None:
+    records = _records(3)
+    refused = BulkWriteError({"writeErrors": [{"index": 1, "code": 10334, "errmsg": "object too large"}]})
+    outcome = await _store(refused).insert(records)
+    assert not outcome.unavailable
+    assert list(outcome.refused) == [records[1].request_id] and outcome.refused[records[1].request_id][0] == "refused"
+    assert outcome.stored == [records[0].request_id, records[2].request_id]
+    stepped_down = BulkWriteError({"writeErrors": [{"index": 0, "code": 10107, "errmsg": "not primary"}]})
+    outcome = await _store(stepped_down).insert(records)
+    assert outcome.unavailable and not outcome.refused
+
+
+def test_the_failed_record_of_an_unstorable_result_keeps_no_inputs_or_outputs() -> None:
+    store = _store(RuntimeError("unused"))
+    (record,) = _records(1)
+    record = record.model_copy(update={"outputs": {"count": 2**70}, "metadata": {"api": "chat"}})
+    with pytest.raises(Unstorable):
+        store.encoded(record)
+    failed = store.unstorable_record(record, "unencodable", "BSON cannot encode it")
+    assert failed.status == State.FAILED and failed.outputs is None and failed.inputs == {}
+    assert failed.error is not None and failed.error.code == RESULT_UNSTORABLE
+    assert failed.metadata == {"api": "chat"}
+
+
+# -- log-probabilities a record can hold (models/llm_engine.py) ----------------------------
+
+
+def test_the_logprobs_bound_holds_for_the_worst_tokens_as_bson_stores_them() -> None:
+    token = bytes([0xE2]) * 40  # parts of characters: each byte's text is U+FFFD (3 bytes)
+    alternative = {"token": token.decode("utf-8", errors="replace"), "logprob": -1.5, "bytes": list(token)}
+    positions, top = 300, 20
+    logprobs = [{**alternative, "top_logprobs": [alternative] * top} for _ in range(positions)]
+    actual = len(bson.encode({"logprobs": logprobs}))
+    assert actual <= logprobs_bound(positions, top, len(token)) < actual * 1.2
+
+
+def _engine(longest: int) -> EngineLlmAdapter:
+    adapter = object.__new__(EngineLlmAdapter)
+    adapter.name = "llm"
+    adapter.__dict__["longest_token_bytes"] = longest
+    return adapter
+
+
+def test_logprobs_that_could_outgrow_a_record_are_refused_saying_how_many_fit() -> None:
+    adapter = _engine(longest=64)
+    with pytest.raises(InvalidInput) as caught:
+        adapter._check_logprobs_fit(4096, 20)  # ~85 MB of BSON at worst
+    assert caught.value.code == "logprobs_too_large"
+    most = caught.value.details["max_tokens"]
+    assert logprobs_bound(most, 20, 64) <= LOGPROBS_BUDGET_BYTES < logprobs_bound(most + 1, 20, 64)
+    adapter._check_logprobs_fit(most, 20)
+    adapter._check_logprobs_fit(4096, 0)  # the chosen tokens alone fit

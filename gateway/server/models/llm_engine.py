@@ -31,6 +31,7 @@ Tools (OpenAI function definitions) are rendered into the prompt by the chat tem
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -61,6 +62,19 @@ if TYPE_CHECKING:
     from gateway.server.models.spec import ModelSpec
 
 Content = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
+# What a record's log-probabilities may take at most, as MongoDB stores them: its document
+# limit (16 MiB) less what a request's body may bring (MAX_BODY_BYTES, 8 MiB by default)
+# and room for the rest of the record. A request that could make more is refused.
+LOGPROBS_BUDGET_BYTES = 7 * 1024 * 1024
+
+
+def logprobs_bound(positions: int, top: int, token_bytes: int) -> int:
+    """The most bytes (BSON) the log-probabilities of `positions` tokens with `top`
+    alternatives each can take, for tokens of at most `token_bytes` bytes: an entry's token
+    text (at most 3 bytes a byte: U+FFFD for a byte that is part of a character), its bytes
+    as an array (at most 9 bytes a byte), its number, keys and headers (50), and each
+    position's own array and key (26)."""
+    return positions * ((top + 1) * (50 + 12 * token_bytes) + 26)
 
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
@@ -399,6 +413,8 @@ class EngineLlmAdapter(ModelAdapter):
                 details={"prompt_tokens": len(ids), "max_input_tokens": self.max_input_tokens},
             )
         max_tokens = min(inputs.max_tokens, self.spec.max_output_tokens, room)
+        if parameters.logprobs:
+            self._check_logprobs_fit(max_tokens, parameters.top_logprobs)
         return EngineRequest(
             inputs=inputs,
             parameters=parameters,
@@ -408,6 +424,27 @@ class EngineLlmAdapter(ModelAdapter):
             engine_stop_ids=self.tokenizer.exact_words(inputs.stop_words),
             bad_ids=self.tokenizer.encode_words(inputs.bad_words),
             keys=block_keys(ids, self.tokens_per_block, parameters.cache_salt),
+        )
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """An upper bound on the bytes of any token: its vocabulary piece's UTF-8 length
+        (a byte-level piece has a character a byte; a SentencePiece one has its text, or
+        <0xAB> for one byte)."""
+        return max((len(piece.encode()) for piece in self.tokenizer.tokenizer.get_vocab()), default=1)
+
+    def _check_logprobs_fit(self, max_tokens: int, top: int) -> None:
+        """422 logprobs_too_large where the log-probabilities could make the record more
+        than storage holds (LOGPROBS_BUDGET_BYTES), saying how many tokens fit."""
+        if logprobs_bound(max_tokens, top, self.longest_token_bytes) <= LOGPROBS_BUDGET_BYTES:
+            return
+        most = LOGPROBS_BUDGET_BYTES // logprobs_bound(1, top, self.longest_token_bytes)
+        raise InvalidInput(
+            "logprobs_too_large",
+            f"{self.name}: the log-probabilities of {max_tokens} tokens with {top} alternatives each could be "
+            f"more than a result can store; at most {most} tokens at top_logprobs {top} (lower max_tokens "
+            "or top_logprobs)",
+            details={"max_tokens": most, "top_logprobs": top},
         )
 
     def stored_inputs(self, prepared: EngineRequest) -> dict[str, Any]:
