@@ -20,6 +20,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 
 from gateway.stack.process import free_port
 from tests.gateway_calls import submit, wait_result
+from tests.test_tenants import client_for, new_key, set_tenant, slot_held
 from tests.triton_requests import png_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,8 +101,11 @@ async def sign_in(page: Page, key: str) -> None:
     await expect(page.locator("#key-status")).to_have_attribute("data-state", "ok", timeout=WAIT_MS)
 
 
-async def ask_llm(page: Page, model: str, prompt: str, max_tokens: int) -> None:
+async def ask_llm(page: Page, model: str, prompt: str, max_tokens: int, mode: str | None = None) -> None:
+    """Asks with the page's prompt mode for the model, or `mode` ("text", "chat") picked by hand."""
     await page.select_option("#llm-model", model)
+    if mode is not None:
+        await page.check(f'input[name="prompt-mode"][value="{mode}"]')
     await page.fill("#max-tokens", str(max_tokens))
     await page.fill("#prompt", prompt)
     await page.click("#submit")
@@ -109,6 +113,17 @@ async def ask_llm(page: Page, model: str, prompt: str, max_tokens: int) -> None:
 
 def step(page: Page, name: str):
     return page.locator(f'#timeline li[data-step="{name}"]')
+
+
+BARS = """items => items.map(li => ({
+    id: li.dataset.requestId, total: Number(li.dataset.total), shown: li.querySelector('.bar-total').textContent,
+    current: li.classList.contains('current'),
+    segments: [...li.querySelectorAll('.segment')].map(s => ({
+        name: s.dataset.segment, ms: Number(s.dataset.ms), px: s.getBoundingClientRect().width
+    })),
+    track_px: li.querySelector('.bar-track').getBoundingClientRect().width,
+}))"""
+PROMPT_MODE = "() => document.querySelector('input[name=\"prompt-mode\"]:checked').value"
 
 
 # -- served, and the admin endpoint behind the replicas panel ----------------------------
@@ -233,7 +248,7 @@ async def test_a_chat_prompt_is_sent_as_messages(page: Page, stack, http) -> Non
 async def test_model_output_is_shown_as_text_never_as_html(page: Page, stack) -> None:
     prompt = '<img src="x" onerror="window.pwned=1"><script>window.pwned=2</script><b>bold</b>'
     await sign_in(page, stack.api_key)
-    await ask_llm(page, "llm_echo", prompt, max_tokens=200)  # echoes the prompt back
+    await ask_llm(page, "llm_echo", prompt, max_tokens=200, mode="text")  # echoes the prompt back
     await expect(step(page, "completed")).to_be_visible()
     await shot(page, "ui-escaped-output.png")
     assert prompt in (await page.locator("#output").text_content() or "")
@@ -332,3 +347,134 @@ async def test_the_replicas_panel_lists_the_triton_replica_and_refreshes(page: P
         "n => Number(document.getElementById('replicas-panel').dataset.refreshes) > n", arg=refreshes, timeout=6_000
     )
     await shot(page, "ui-replicas.png")
+
+
+# -- first impressions: the prompt mode, an empty answer explained, the time bars ------------
+
+
+async def test_the_default_mode_for_llm_is_chat_and_a_question_gets_an_answer(page: Page, stack, http) -> None:
+    question = "What is the capital of France? Answer in a sentence."
+    await sign_in(page, stack.api_key)
+    await expect(page.locator("#llm-model")).to_have_value("llm")
+    assert await page.evaluate(PROMPT_MODE) == "chat"  # llm has a chat template (GET /models)
+    await expect(page.locator("#prompt-label")).to_have_text("User message")
+    # Greedy, so the tiny random test model answers alike every run: its first greedy token
+    # after this chat is not its end token (its answer is noise: newlines).
+    await page.fill("#temperature", "0")
+    await page.fill("#prompt", question)
+    await page.fill("#max-tokens", "8")
+    await page.click("#submit")
+    await expect(step(page, "completed")).to_be_visible()
+    request_id = await page.locator("#request-panel").get_attribute("data-request-id")
+    record = (await http.get(f"/results/{request_id}")).json()
+    assert record["inputs"]["messages"] == [{"role": "user", "content": question}]
+    assert record["usage"]["completion_tokens"] > 0
+    assert record["outputs"]["text_output"]
+    assert await page.locator("#output").text_content() == record["outputs"]["text_output"]
+
+    # A model whose answer is text every time (the rendered chat, echoed), chat by default too.
+    await page.select_option("#llm-model", "llm_echo")
+    assert await page.evaluate(PROMPT_MODE) == "chat"
+    await page.fill("#max-tokens", "200")
+    await page.click("#submit")
+    await expect(page.locator("#request-panel")).not_to_have_attribute("data-request-id", request_id)
+    await expect(step(page, "completed")).to_be_visible()
+    await expect(page.locator("#output")).to_contain_text(f"<|im_start|>user\n{question}<|im_end|>")
+    await expect(page.locator("#output-note")).to_be_hidden()
+    await shot(page, "ui-chat-default.png")
+
+
+async def test_a_prompt_mode_picked_by_hand_is_kept_across_model_changes(page: Page, stack) -> None:
+    await sign_in(page, stack.api_key)
+    models = await page.evaluate("() => [...document.querySelectorAll('#llm-model option')].map(o => o.value)")
+    assert {"llm", "llm_ensemble"} <= set(models)
+    # Not picked by hand: the page follows the model (llm_ensemble has no chat template).
+    await page.select_option("#llm-model", "llm_ensemble")
+    assert await page.evaluate(PROMPT_MODE) == "text"
+    await expect(page.locator('input[name="prompt-mode"][value="chat"]')).to_be_disabled()
+    await page.select_option("#llm-model", "llm")
+    assert await page.evaluate(PROMPT_MODE) == "chat"
+    # Picked by hand: text stays text for a chat model too.
+    await page.check('input[name="prompt-mode"][value="text"]')
+    await page.select_option("#llm-model", "llm_ensemble")
+    await page.select_option("#llm-model", "llm_echo")
+    assert await page.evaluate(PROMPT_MODE) == "text"
+    await expect(page.locator("#prompt-mode-hint")).to_have_text("(your choice)")
+
+
+async def test_an_answer_with_no_tokens_says_why_it_ended(page: Page, stack, http) -> None:
+    await sign_in(page, stack.api_key)
+    # llm_echo returns the prompt's tokens, then the end token: a prompt that is only the
+    # test model's end token ends at once, with finish reason stop, every time.
+    await ask_llm(page, "llm_echo", "<|endoftext|>", max_tokens=16, mode="text")
+    await expect(step(page, "completed")).to_be_visible()
+    note = page.locator("#output-note")
+    await expect(note).to_be_visible()
+    await shot(page, "ui-no-tokens.png")
+    await expect(note).to_have_attribute("data-reason", "stop")
+    await expect(note).to_contain_text("0 completion tokens: the model ended at once (finish reason stop)")
+    # llm_echo has a chat template: the note says how such a model is usually asked.
+    await expect(note).to_contain_text("chat messages are the usual way to ask it")
+    request_id = await page.locator("#request-panel").get_attribute("data-request-id")
+    record = (await http.get(f"/results/{request_id}")).json()
+    assert record["usage"]["completion_tokens"] == 0 and record["outputs"]["finish_reason"] == "stop"
+
+    # The note's button asks the same again as chat messages (the echo then has text).
+    await page.click("#use-chat")
+    await expect(page.locator("#request-panel")).not_to_have_attribute("data-request-id", request_id)
+    await expect(step(page, "completed")).to_be_visible()
+    assert await page.evaluate(PROMPT_MODE) == "chat"
+    await expect(note).to_be_hidden()
+    await expect(page.locator("#output")).to_contain_text("<|im_start|>user")
+
+
+async def test_a_request_cancelled_before_its_first_token_says_so(page: Page, stack, http) -> None:
+    tenant = "ui-cancel-queued"
+    await set_tenant(stack, tenant, limits={"max_concurrent": 1})
+    key = await new_key(stack, tenant)
+    async with client_for(stack, key) as native, slot_held(native):  # so the page's request stays queued
+        await sign_in(page, key)
+        await ask_llm(page, "llm_synthetic", "Wait your turn", max_tokens=16, mode="text")
+        await expect(page.locator("#request-state")).to_have_text("queued")
+        await expect(page.locator("#cancel")).to_be_enabled()
+        await page.click("#cancel")
+        await expect(step(page, "canceled")).to_be_visible()
+    note = page.locator("#output-note")
+    await expect(note).to_have_attribute("data-reason", "canceled")
+    await expect(note).to_contain_text("cancelled before its first token")
+    await expect(page.locator("#use-chat")).to_be_hidden()  # a cancel is not the model's doing
+    assert await page.locator("#request-panel").get_attribute("data-tokens") == "0"
+
+
+async def test_the_time_bar_segments_add_up_to_the_total_shown(page: Page, stack, http) -> None:
+    await sign_in(page, stack.api_key)
+    ids = []
+    for max_tokens in (5, 25):  # a token per 20 ms: the second bar is the longer one
+        await ask_llm(page, "llm_synthetic", "Tell me about lighthouses", max_tokens=max_tokens)
+        await expect(step(page, "stored")).to_be_visible(timeout=30_000)
+        ids.append(await page.locator("#request-panel").get_attribute("data-request-id"))
+        await expect(page.locator(f'#bars li[data-request-id="{ids[-1]}"]')).to_have_attribute("data-stored", "yes")
+    await shot(page, "ui-time-bars.png")
+
+    bars = await page.locator("#bars li").evaluate_all(BARS)
+    assert [bar["id"] for bar in bars] == ids[::-1]  # newest first, and the newest is the current one
+    assert [bar["current"] for bar in bars] == [True, False]
+    for bar in bars:
+        names = [segment["name"] for segment in bar["segments"]]
+        assert names == ["queue", "first_token", "generation", "storing"]
+        assert sum(segment["ms"] for segment in bar["segments"]) == bar["total"]
+        assert bar["shown"] == f"{bar['total']} ms"
+        record = (await http.get(f"/results/{bar['id']}")).json()
+        timings = record["timings"]
+        queue, first, generation, storing = (segment["ms"] for segment in bar["segments"])
+        # The gateway's own figures, rounded at the segments' edges (each off by at most 1 ms).
+        assert abs(queue - timings["queue_ms"]) <= 1
+        assert abs(queue + first - (timings["queue_ms"] + timings["ttft_ms"])) <= 1
+        assert abs(queue + first + generation - timings["total_ms"]) <= 1
+        assert storing >= 0
+    # One scale for all: a millisecond is as wide in every bar, the longest fills its track.
+    longest = max(bars, key=lambda bar: bar["total"])
+    assert abs(sum(s["px"] for s in longest["segments"]) - longest["track_px"]) <= 1
+    for bar in bars:
+        drawn = sum(s["px"] for s in bar["segments"]) / bar["track_px"]
+        assert abs(drawn - bar["total"] / longest["total"]) <= 0.01, (bar, longest)

@@ -8,6 +8,14 @@ const REPLICAS_EVERY_MS = 2000;
 const STORED_WAIT_MS = 60_000;
 const WEBHOOK_WAIT_MS = 120_000;
 const WEBHOOK_FINAL = new Set(["delivered", "gone", "refused", "failed"]);
+const RECENT_BARS = 5;
+// The bar's segments, in order: GET /results' timings, then storing as the page saw it.
+const SEGMENTS = [
+  ["queue", "queue"],
+  ["first_token", "to first token"],
+  ["generation", "generation"],
+  ["storing", "storing"],
+];
 // Terminal event kind -> state, and back.
 const TERMINAL = { completed: "succeeded", failed: "failed", canceled: "canceled", expired: "expired" };
 const TERMINAL_STATE_EVENT = Object.fromEntries(Object.entries(TERMINAL).map(([kind, state]) => [state, kind]));
@@ -253,6 +261,9 @@ class Tracker {
     this.terminal = false;
     this.record = null;
     this.steps = new Map();
+    this.body = null; // what was sent
+    this.finishedMs = null; // when the terminal event arrived (page clock)
+    this.storedMs = null; // when the page saw the result stored
   }
 
   get signal() {
@@ -304,6 +315,7 @@ function resetRequestView() {
   $("request-panel").dataset.tokens = "0";
   $("request-panel").dataset.requestId = "";
   $("request-error").hidden = true;
+  $("output-note").hidden = true;
   $("server-timings").textContent = "";
   setState("submitting");
 }
@@ -351,6 +363,7 @@ async function startRequest() {
   const body = await requestBody();
   current?.controller.abort(); // a new request: stop following the previous one
   const tracker = new Tracker();
+  tracker.body = body;
   current = tracker;
   resetRequestView();
   tracker.step("submitted", `POST /infer (${body.model})`);
@@ -447,6 +460,7 @@ function onEvent(tracker, event) {
 function finish(tracker, kind, record) {
   tracker.terminal = true;
   tracker.record = record;
+  tracker.finishedMs = performance.now() - tracker.t0;
   $("cancel").disabled = true;
   setState(record.status || TERMINAL[kind]);
   let detail = "";
@@ -473,6 +487,8 @@ function finish(tracker, kind, record) {
   $("server-timings").textContent = parts.length
     ? `gateway timings: ${parts.map(([name, ms]) => `${name} ${Math.round(ms)} ms`).join(" · ")}`
     : "";
+  explainEmptyAnswer(tracker, record);
+  drawBar(tracker);
 }
 
 // Polls GET /results/<id> until the binder has stored the result, then, when a webhook
@@ -481,16 +497,22 @@ async function followStorage(tracker) {
   const signal = tracker.signal;
   let record = tracker.record;
   const storedBy = performance.now() + STORED_WAIT_MS;
+  // Often at first, then less: the storing segment of the bar is no longer than the page's
+  // polling makes it.
+  let every = 25;
   while (!record.stored) {
     if (performance.now() > storedBy) {
       tracker.step("stored", "not stored yet (is the binder running?)");
       return;
     }
-    await delay(250, signal);
+    await delay(every, signal);
+    every = Math.min(every * 1.25, 500);
     record = await apiJson(`/results/${tracker.id}`, { signal });
   }
   const until = record.expires_at ? `, kept until ${new Date(record.expires_at).toLocaleString()}` : "";
   tracker.step("stored", `in MongoDB${until}`);
+  tracker.storedMs = performance.now() - tracker.t0;
+  drawBar(tracker);
   if (!record.webhook) return;
   const webhookBy = performance.now() + WEBHOOK_WAIT_MS;
   let seen = null;
@@ -520,6 +542,120 @@ async function cancelRequest() {
     if (err instanceof ApiError && err.status === 409) tracker.detail("cancel", `too late: ${err.message}`);
     else onFailure(err);
   }
+}
+
+// -- an empty answer, explained --------------------------------------------------------
+
+const FINISH_REASONS = {
+  stop: "the model ended at once (finish reason stop): the first token it chose was its end of sequence, or a stop sequence matched",
+  length: "the token limit left no room (finish reason length: max tokens, or the model's context, was used up)",
+};
+
+// An LLM answer with no text says why beside the output, and, for a chat model sent raw
+// text, that chat messages are the usual way to ask it.
+function explainEmptyAnswer(tracker, record) {
+  const inputs = tracker.body?.inputs || {};
+  if (!("text_input" in inputs || "messages" in inputs)) return; // not an LLM request
+  const completion = record.usage?.completion_tokens ?? tracker.tokens;
+  let reason = null;
+  let why = "";
+  if (record.status === "canceled" && !completion) {
+    reason = "canceled";
+    why = "No answer: the request was cancelled before its first token.";
+  } else if (record.status === "succeeded" && !completion) {
+    reason = record.outputs?.finish_reason || "unknown";
+    why = `0 completion tokens: ${FINISH_REASONS[reason] || `it ended without a token (finish reason ${reason})`}.`;
+  } else if (record.status === "succeeded" && !$("output").textContent.trim()) {
+    reason = "blank";
+    why = `${completion} completion token${completion === 1 ? "" : "s"}, none of them visible text.`;
+  }
+  if (!reason) return;
+  const model = models.find((m) => m.id === tracker.body.model);
+  // A cancel is the user's doing, not the model's: no advice on how to ask it then.
+  const chatModel = reason !== "canceled" && model?.chat_template === true && "text_input" in inputs;
+  if (chatModel) {
+    why +=
+      ` ${model.id} is a chat model (it has a chat template): given raw text it often ends at once;` +
+      " chat messages are the usual way to ask it.";
+  }
+  $("output-note").dataset.reason = reason;
+  $("output-note-text").textContent = why;
+  $("use-chat").hidden = !chatModel;
+  $("output-note").hidden = false;
+}
+
+// -- where the time went: one bar per request ------------------------------------------
+
+// The last few requests sent from this page that finished, newest first.
+const recent = [];
+
+// Whole milliseconds per segment, rounded at the segments' edges so that they add up to
+// the total exactly. Queue, first token and generation are the gateway's timings (run =
+// first token + generation; a run with no token is all waiting for the first); storing is
+// from the result reaching the page to the page seeing it stored (the page's clock, as
+// close as its polling gets).
+function segmentsOf(tracker) {
+  const t = tracker.record?.timings || {};
+  const run = Math.max(0, t.run_ms ?? 0);
+  const queue = Math.max(0, t.queue_ms ?? (t.run_ms == null ? (t.total_ms ?? 0) : 0));
+  const first = t.ttft_ms == null ? run : Math.min(Math.max(0, t.ttft_ms), run);
+  const storing = tracker.storedMs == null ? 0 : Math.max(0, tracker.storedMs - tracker.finishedMs);
+  let sum = 0;
+  let edge = 0;
+  const ms = [queue, first, run - first, storing].map((value) => {
+    sum += value;
+    const next = Math.round(sum);
+    const width = next - edge;
+    edge = next;
+    return width;
+  });
+  return { ms, total: edge };
+}
+
+function drawBar(tracker) {
+  if (!tracker.id || !tracker.record) return;
+  if (!recent.includes(tracker)) {
+    recent.unshift(tracker);
+    recent.splice(RECENT_BARS);
+  }
+  const rows = recent.map((t) => ({ tracker: t, ...segmentsOf(t) }));
+  const scale = Math.max(1, ...rows.map((row) => row.total));
+  $("bars").replaceChildren(...rows.map((row) => barRow(row, scale)));
+  $("bars-panel").hidden = false;
+}
+
+function barRow({ tracker, ms, total }, scale) {
+  const item = document.createElement("li");
+  item.dataset.requestId = tracker.id;
+  item.dataset.total = String(total);
+  item.dataset.state = tracker.record.status || "";
+  item.dataset.stored = tracker.storedMs == null ? "no" : "yes";
+  if (tracker === current) item.className = "current";
+  const label = document.createElement("span");
+  label.className = "bar-label";
+  const state = tracker.record.status && tracker.record.status !== "succeeded" ? ` (${tracker.record.status})` : "";
+  label.textContent = `${tracker.body.model}${state}`;
+  label.title = tracker.id;
+  const track = document.createElement("span");
+  track.className = "bar-track";
+  SEGMENTS.forEach(([name, text], i) => {
+    const segment = document.createElement("span");
+    segment.className = "segment";
+    segment.dataset.segment = name;
+    segment.dataset.ms = String(ms[i]);
+    segment.style.width = `${(ms[i] / scale) * 100}%`; // CSSOM: allowed under the page's CSP
+    segment.title = `${text}: ${ms[i]} ms`;
+    track.append(segment);
+  });
+  const sum = document.createElement("span");
+  sum.className = "bar-total";
+  sum.textContent = `${total} ms`;
+  sum.title =
+    tracker.storedMs == null
+      ? "queue + first token + generation (not stored yet)"
+      : "queue + first token + generation + storing";
+  item.append(label, track, sum);
+  return item;
 }
 
 // -- showing outputs -------------------------------------------------------------------
@@ -676,15 +812,29 @@ function showKindInputs() {
   $("image-inputs").hidden = kind !== "image";
 }
 
-// Chat messages only for a model with a chat template (GET /models says which).
+// The prompt mode the user picked by hand; null until they do.
+let chosenMode = null;
+
+function modeRadio(mode) {
+  return document.querySelector(`input[name="prompt-mode"][value="${mode}"]`);
+}
+
+// Chat messages only for a model with a chat template (GET /models says which), and by
+// default for one: a chat model given raw text often ends at once. A mode the user picked
+// by hand is kept across model changes wherever the model allows it.
 function allowChat() {
   const model = models.find((m) => m.id === $("llm-model").value);
-  const chat = document.querySelector('input[name="prompt-mode"][value="chat"]');
-  chat.disabled = !model || model.chat_template !== true;
-  if (chat.disabled && chat.checked) {
-    document.querySelector('input[name="prompt-mode"][value="text"]').checked = true;
-    showPromptMode();
-  }
+  const chat = model?.chat_template === true;
+  modeRadio("chat").disabled = !chat;
+  modeRadio(chat ? (chosenMode ?? "chat") : "text").checked = true;
+  $("prompt-mode-hint").textContent = !model
+    ? ""
+    : chat
+      ? chosenMode
+        ? "(your choice)"
+        : "(chat model: messages by default)"
+      : "(no chat template: text only)";
+  showPromptMode();
 }
 
 function showPromptMode() {
@@ -719,8 +869,17 @@ function start() {
   });
   for (const radio of document.querySelectorAll('input[name="kind"]')) radio.addEventListener("change", showKindInputs);
   for (const radio of document.querySelectorAll('input[name="prompt-mode"]')) {
-    radio.addEventListener("change", showPromptMode);
+    radio.addEventListener("change", () => {
+      chosenMode = radio.value; // only a user's click fires change
+      allowChat();
+    });
   }
+  $("use-chat").addEventListener("click", () => {
+    if (current?.body) $("llm-model").value = current.body.model;
+    chosenMode = "chat";
+    allowChat();
+    $("submit-form").requestSubmit();
+  });
   $("llm-model").addEventListener("change", allowChat);
   $("image-file").addEventListener("change", () => {
     const file = $("image-file").files[0];
