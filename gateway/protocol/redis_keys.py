@@ -20,7 +20,7 @@ Per shard (prefix `{sN}:`):
 - `reclaimed:<model>` list: running requests whose dispatcher died or handed them over,
   started again before anything else (their count is the backlog's `r:<model>`, which
   SUBMIT reads with the other counters);
-- `leases` sorted set id -> lease end (ms): a running request's dispatcher renews it;
+- `leases` sorted set id -> lease end (ms, Redis's clock): a running request's dispatcher renews it;
 - `deadlines` sorted set id -> deadline, for the sweeper: queued requests, and runs that
   lost their process (a run started at once is kept out until then); `backlog` and
   `running` counter hashes;

@@ -258,7 +258,7 @@ def keep_leases(renew: Any, shard: Shard, consumer: str, lease_ms: int, runs: li
     """RENEW, from the lease keeper's thread (dispatch/leases.py) on its own connection:
     per (request id, run token) 1 still ours, 2 ours but asked to cancel, 0 stale, 3 ended
     (its own FINISH landed first: scripts.RENEW)."""
-    keys, args = scripts.renew_call(shard, consumer, int(time.time() * 1000) + lease_ms, runs)
+    keys, args = scripts.renew_call(shard, consumer, lease_ms, runs)
     return [int(flag) for flag in renew(keys=keys, args=args)]
 
 

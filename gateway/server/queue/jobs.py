@@ -410,9 +410,6 @@ class JobStore:
     def shard_for(self, tenant: str) -> Shard:
         return self.shards[shard_for_tenant(tenant, len(self.shards))]
 
-    def _lease_end(self) -> int:
-        return int(time.time() * 1000) + self.lease_ms
-
     async def idempotent(self, tenant: str, key: str) -> tuple[str, str] | None:
         """(request id, body hash) of an earlier submission with this key, if any."""
         found = await self.redis.get(self.shard_for(tenant).idempotency(tenant, key))
@@ -445,7 +442,7 @@ class JobStore:
             "idem_ttl": self.idempotency_ttl_s,
             "admission": admission.script_arg(),
             "consumer": start_as if len(requests) == 1 else "",
-            "lease_end": str(self._lease_end()),
+            "lease_ms": self.lease_ms,
             "running": RUNNING_FIRST,
             "light": "1" if light_only else "0",
             "k": len(requests),
@@ -517,7 +514,7 @@ class JobStore:
                 model,
                 consumer,
                 time.time(),
-                self._lease_end(),
+                self.lease_ms,
                 secrets.token_hex(8),
                 "1" if light_only else "0",
                 TAKE_TOKEN_TTL_S,
@@ -604,14 +601,12 @@ class JobStore:
         dispatch/leases.py, with the same arguments.)"""
         if not runs:
             return []
-        keys, args = scripts.renew_call(shard, consumer, self._lease_end(), runs)
+        keys, args = scripts.renew_call(shard, consumer, self.lease_ms, runs)
         return [int(flag) for flag in await self._renew(keys=keys, args=args)]
 
     async def reclaim(self, shard: Shard, limit: int = 200) -> int:
         """Put running requests whose lease ran out back at the front of the line."""
-        return int(
-            await self._reclaim(keys=scripts.reclaim_keys(shard), args=[shard.prefix, int(time.time() * 1000), limit])
-        )
+        return int(await self._reclaim(keys=scripts.reclaim_keys(shard), args=[shard.prefix, limit]))
 
     async def handover(self, consumer: str, runs: list[tuple[str, str]]) -> int:
         """Hand this consumer's running requests, (request id, run token), on to other

@@ -96,15 +96,23 @@ def handover_keys(shard: Shard, request_ids: list[str]) -> list[str]:
     return [*reclaim_keys(shard), *(shard.request(request_id) for request_id in request_ids)]
 
 
-def renew_call(
-    shard: Shard, consumer: str, lease_end_ms: int, runs: list[tuple[str, str]]
-) -> tuple[list[str], list[Any]]:
-    """RENEW's keys and arguments: the leases of (request id, run token) runs end at lease_end_ms."""
-    args: list[Any] = [consumer, lease_end_ms]
+def renew_call(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> tuple[list[str], list[Any]]:
+    """RENEW's keys and arguments: the leases of (request id, run token) runs end lease_ms
+    from now, by Redis's clock."""
+    args: list[Any] = [consumer, lease_ms]
     for request_id, run in runs:
         args += [request_id, run]
     return lease_keys(shard, [request_id for request_id, _ in runs]), args
 
+
+# Lease ends are Redis's clock plus a lease's length, and RECLAIM compares them with Redis's
+# clock: one host's clock, whichever gateway writes or reclaims (clocks of two hosts drift).
+_CLOCK = """
+local function lease_end(ms)
+  local t = redis.call('TIME')
+  return tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ms))
+end
+"""
 
 # The requests of a call whose events some process's hub follows (their hash has
 # `followed`): named once, after them, in one entry of the shard's notices stream, which a
@@ -186,6 +194,7 @@ local function write_pending()
 end
 """
     + _NOTICES
+    + _CLOCK
 )
 
 # The model's keys (model_keys).
@@ -197,17 +206,17 @@ local READY = {high = KEYS[12], normal = KEYS[13], low = KEYS[14], batch = KEYS[
 # KEYS: shard_keys (10), then per submission its model_keys and tenant_keys (10) and per
 #   request its hash, its events and, when it has an idempotency key, that key (the
 #   request's ARGV says whether).
-# ARGV: prefix, then per submission its head, one JSON object (jobs.SubmitHead: model,
-#   tenant, band, now, idem_ttl, admission, consumer to start it at once ('' = queue it),
-#   lease_end (ms), running (the running event's data), light ('1': start at once only if
-#   the tenant runs nothing of this model), k (requests), run (the token of the run started
-#   at once)), then per request 6: id, payload, created_at, deadline, idempotency key
-#   suffix ('' = none), idempotency value
+# ARGV: prefix, then per submission its head, one JSON object (JobStore.submit: model,
+#   tenant, band, now, idem_ttl, admission (Admission.script_arg), consumer to start it at
+#   once ('' = queue it), lease_ms (the length of that run's lease), running (the running
+#   event's data), light ('1': start at once only if the tenant runs nothing of this
+#   model), k (requests), run (the token of the run started at once)), then per request 6:
+#   id, payload, created_at, deadline, idempotency key suffix ('' = none), idempotency value
 # Returns per submission {'accepted'}, {'started'}, {'existing', value per request} or
 # {'full', reason, count}. The K requests of a submission are admitted together or not at
 # all.
 #
-# Admission (admit below) is one rule applied to the requests and to their bytes, side by
+# Admission (`over` below) is one rule applied to the requests and to their bytes, side by
 # side: the tenant's own cap always binds; its share binds only while other tenants wait
 # (work-conserving); the shard's cap binds unless the tenant is below its reserve. Bytes are
 # the payloads as stored (UTF-8 JSON), counted once.
@@ -349,7 +358,7 @@ local function submit(kb, ab)
     if start_now then
       pend('t:' .. tenant, 1)
       pend('m:' .. model .. ':' .. tenant, 1)
-      leases[#leases + 1] = a.lease_end
+      leases[#leases + 1] = lease_end(a.lease_ms)
       leases[#leases + 1] = id
       -- Its `queued` and `running` events in one entry (results/events.py reads it as both).
       redis.call('XADD', EVENTS[i], '*', 'event', 'running', 'data', a.running, 'queued', queued)
@@ -397,7 +406,7 @@ SUBMIT_HEAD = (10, 1)
 SUBMIT_MOST = 64
 
 # KEYS: shard_keys, model_keys (15), then the consumer's last take (take:<consumer>).
-# ARGV: prefix, model, consumer, now, lease end (ms), take token (random: the first started
+# ARGV: prefix, model, consumer, now, lease length (ms; ends by Redis's clock), take token (random: the first started
 #   run's token too, its fence; the n-th run's is the token and '.n'), light only ('1': only
 #   a tenant that runs nothing of this model now, the headroom kept for light tenants),
 #   token ttl (s), how many to start at most (the caller's free slots)
@@ -413,6 +422,7 @@ TAKE = (
 local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local most = math.max(1, tonumber(ARGV[9]) or 1)
 local TAKEN = KEYS[16]
+local run_lease_end = lease_end(ARGV[5])
 local function answer(out, rid, emitted)
   local req = P .. 'req:' .. rid
   out[#out + 1] = rid
@@ -450,7 +460,7 @@ local function start(rid, restarted, run)
   end
   local attempt = num(h[5]) + 1
   redis.call('HSET', req, 'state', 'running', 'attempts', attempt, 'started_at', now, 'owner', consumer, 'run', run)
-  redis.call('ZADD', LEASES, ARGV[5], rid)
+  redis.call('ZADD', LEASES, run_lease_end, rid)
   redis.call('XADD', P .. 'events:' .. rid, '*', 'event', 'running', 'data',
     cjson.encode({attempt = attempt, restarted = restarted, resume_from = num(h[4])}))
   notice(h[6], rid)
@@ -602,14 +612,17 @@ return out
 )
 
 # KEYS: the shard's leases, then per run its request's hash (lease_keys).
-# ARGV: consumer, lease end (ms), then pairs of request id and its run's token.
+# ARGV: consumer, lease length (ms, from Redis's clock now), then pairs of request id and its run's token.
 # Renews the leases of the runs still ours; returns per run: 1 still ours, 2 ours but
 # asked to cancel, 0 stale (another run took over, or it was handed on), 3 ended while
 # still this run's (FINISH keeps `run` and `owner`): its own FINISH landed before this
 # renewal, whose list of runs was taken while that FINISH was in flight, or the sweeper
 # expired it (its run's own deadline cuts it too).
-RENEW = """
+RENEW = (
+    _CLOCK
+    + """
 local out = {}
+local ends = lease_end(ARGV[2])
 for i = 3, #ARGV, 2 do
   local h = redis.call('HMGET', KEYS[(i - 1) / 2 + 1], 'state', 'run', 'cancel', 'owner')
   if h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[1] then
@@ -617,22 +630,25 @@ for i = 3, #ARGV, 2 do
   elseif h[1] ~= 'running' then
     out[#out + 1] = 3
   else
-    redis.call('ZADD', KEYS[1], ARGV[2], ARGV[i])
+    redis.call('ZADD', KEYS[1], ends, ARGV[i])
     out[#out + 1] = h[3] == '1' and 2 or 1
   end
 end
 return out
 """
+)
 
-# KEYS: the shard's leases, deadlines and backlog (reclaim_keys).  ARGV: prefix, now (ms), limit
+# KEYS: the shard's leases, deadlines and backlog (reclaim_keys).  ARGV: prefix, limit
 # Running requests whose lease ran out (their dispatcher died or stalled) go to the front
 # of the line (`reclaimed:<model>`), to be started again by any dispatcher, and into the
 # deadlines set if a start at once kept them out of it (the sweeper expires them there
 # if no dispatcher starts them in time). Which requests they are is found here: their
 # keys are built from the prefix.
-RECLAIM = """
+RECLAIM = (
+    _CLOCK
+    + """
 local P = ARGV[1]
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', lease_end(0), 'LIMIT', 0, tonumber(ARGV[2]))
 local woken = {}
 for _, rid in ipairs(due) do
   redis.call('ZREM', KEYS[1], rid)
@@ -649,6 +665,7 @@ end
 for model in pairs(woken) do redis.call('PUBLISH', 'work', P .. model) end
 return #due
 """
+)
 
 # KEYS: those of RECLAIM, then per run its request's hash (handover_keys).
 # ARGV: prefix, consumer, then pairs of request id and its run's token.
