@@ -24,7 +24,7 @@ from pymongo import AsyncMongoClient
 
 from binder.archive import Archiver
 from binder.index.follower import IndexFollower
-from binder.index.vectors import VectorIndex
+from binder.index.vectors import VectorIndex, hit_of
 from binder.metrics import BinderMetrics
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue, WebhookSender
@@ -181,7 +181,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             hits = await asyncio.to_thread(index.search, query.space, query.vector, query.k, query.tenant)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
-        return {"hits": [{"request_id": rid, "score": score} for rid, score in hits]}
+        return {"hits": [hit_of(key, score) for key, score in hits]}
 
     @app.post("/webhooks/{request_id}/replay")
     async def replay(request_id: str, request: Request, body: ReplayQuery | None = None) -> Any:

@@ -12,7 +12,9 @@ it follows: a follower whose positions the archiver stopped seeing (reports fail
 late for half of READER_LIVE_S) may have been trimmed past, and then rebuilds the same way
 (trimmed entries were stored first, so MongoDB has them).
 
-Each vector keeps its result's tenant and expiry (the expires_at MongoDB's TTL acts
+A many-input request's record holds its vectors packed (gateway.protocol.vectors): each
+row is indexed as its own vector, keyed `<request id>#<row>`, fed from the record's one
+float32 buffer. Each vector keeps its result's tenant and expiry (the expires_at MongoDB's TTL acts
 on, computed the way the store computes it), so searches stay within a tenant and
 the index forgets what MongoDB forgets.
 
@@ -29,15 +31,17 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
+import numpy as np
 from redis.asyncio import Redis
 
 from binder.archive import READER_LIVE_S
-from binder.index.vectors import NEVER, Item, VectorIndex
+from binder.index.vectors import NEVER, Item, VectorIndex, row_key
 from gateway.common.result_store import ResultStore, embedding_from_document, expiry_of
 from gateway.common.streams import stream_id_order
-from gateway.protocol import ResultRecord
+from gateway.protocol import ResultRecord, State
 from gateway.protocol.records import DEFAULT_TENANT
 from gateway.protocol.redis_keys import Shard
+from gateway.protocol.vectors import is_packed, packed_bytes, packed_shape
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +68,40 @@ def forget_at(moment: datetime) -> float:
     return math.floor(moment.timestamp() * 1000) / 1000 - EXPIRY_MARGIN_S
 
 
-def item_of(record: ResultRecord, store: ResultStore) -> Item | None:
-    found = record.embedding
-    if not found:
-        return None
+def packed_items(space: str, tenant: str, request_id: str, value: dict, expires: float) -> list[Item]:
+    """One item per row of a many-input request's packed vectors (gateway.protocol.vectors),
+    each a view of the one float32 buffer (FAISS copies them once, stacked)."""
+    rows, dim = packed_shape(value)
+    matrix = np.frombuffer(packed_bytes(value), dtype="<f4").reshape(rows, dim)
+    return [Item(space, tenant, row_key(request_id, row), matrix[row], expires) for row in range(rows)]
+
+
+def item_of(record: ResultRecord, store: ResultStore) -> list[Item]:
+    """The record's vectors to index: none, its one vector, or one per input of a
+    many-input request."""
+    index, outputs = record.index, record.outputs
+    if record.status != State.SUCCEEDED or index is None or not outputs:
+        return []
+    value = outputs.get(index.output)
+    if not value:
+        return []
     expires = forget_at(expiry_of(record, store.retention))
-    return Item(found[0], record.tenant, record.request_id, found[1], expires)
+    if is_packed(value):
+        return packed_items(index.space, record.tenant, record.request_id, value, expires)
+    return [Item(index.space, record.tenant, record.request_id, value, expires)]
 
 
-def item_from_document(document: dict) -> Item | None:
-    found = embedding_from_document(document)
-    if not found:
-        return None
+def item_from_document(document: dict) -> list[Item]:
     expires = document.get("expires_at")
     at = forget_at(expires) if isinstance(expires, datetime) else NEVER
-    return Item(found[0], document.get("tenant") or DEFAULT_TENANT, document["_id"], found[1], at)
+    tenant = document.get("tenant") or DEFAULT_TENANT
+    index, outputs = document.get("index"), document.get("outputs")
+    if isinstance(index, dict) and isinstance(outputs, dict) and is_packed(outputs.get(index.get("output"))):
+        return packed_items(index["space"], tenant, document["_id"], outputs[index["output"]], at)
+    found = embedding_from_document(document)
+    if not found:
+        return []
+    return [Item(found[0], tenant, document["_id"], found[1], at)]
 
 
 class IndexFollower:
@@ -163,11 +186,9 @@ class IndexFollower:
     async def rebuild(self) -> None:
         """Everything MongoDB holds; run() then replays the streams from their start."""
         started = time.monotonic()
-        items = []
+        items: list[Item] = []
         async for document in self.store.embeddings():
-            item = item_from_document(document)
-            if item and self.holds(item.tenant):
-                items.append(item)
+            items.extend(item for item in item_from_document(document) if self.holds(item.tenant))
         self.index.positions = {}
         added = await asyncio.to_thread(self.index.add, items)
         log.info("index rebuilt from MongoDB: %d vectors in %.1fs", added, time.monotonic() - started)
@@ -219,14 +240,13 @@ class IndexFollower:
                     self._maybe_snapshot()
                     continue
                 entries = reply[0][1]
-                items = []
+                items: list[Item] = []
                 for _, fields in entries:
                     try:
-                        item = item_of(ResultRecord.model_validate_json(fields.get("record", "")), self.store)
+                        found = item_of(ResultRecord.model_validate_json(fields.get("record", "")), self.store)
                     except ValueError:
-                        continue  # not a record; the storing side dead-letters it
-                    if item and self.holds(item.tenant):
-                        items.append(item)
+                        continue  # not a record (or its vectors are not); the storing side dead-letters it
+                    items.extend(item for item in found if self.holds(item.tenant))
                 self._applied_since_snapshot += await asyncio.to_thread(self.index.add, items, (stream, entries[-1][0]))
                 self._maybe_snapshot()
         finally:

@@ -57,13 +57,29 @@ _SNAPSHOT_RETRIES = 3
 
 
 class Item(NamedTuple):
-    """One vector to index."""
+    """One vector to index. request_id is its key: the request's id, or for a row of a
+    many-input request `<id>#<row>` (row_key), so that each input's vector is indexed
+    once and a hit names its request and row (hit_of)."""
 
     space: str
     tenant: str
     request_id: str
-    vector: list[float]
+    vector: list[float] | np.ndarray  # a row of the record's float32 bytes, not copied
     expires_at: float = NEVER  # epoch seconds
+
+
+ROW_MARK = "#"  # not in a request id (Crockford base32)
+
+
+def row_key(request_id: str, row: int) -> str:
+    return f"{request_id}{ROW_MARK}{row}"
+
+
+def hit_of(key: str, score: float) -> dict[str, Any]:
+    """A search hit as the binder answers it: the request, and the row (the input's index
+    in its call) for a vector of a many-input request."""
+    request_id, _, row = key.partition(ROW_MARK)
+    return {"request_id": request_id, "score": score, **({"row": int(row)} if row else {})}
 
 
 @dataclass
@@ -96,7 +112,7 @@ class Shard:
         if not fresh:
             return 0
         ids = np.arange(self.next_id, self.next_id + len(fresh), dtype=np.int64)
-        vectors = np.asarray([item.vector for item in fresh.values()], dtype=np.float32)
+        vectors = np.asarray([item.vector for item in fresh.values()], dtype=np.float32)  # one copy, stacked
         self.index.add_with_ids(vectors, ids)
         if self.gpu is not None:
             self.gpu.add(vectors)  # appended in the same order: GPU positions are flat positions

@@ -114,6 +114,9 @@ class SearchRequest(BaseModel):
 
 class SearchHit(BaseModel):
     request_id: str
+    # The input's index in its call, for a vector of a many-input request (None: the
+    # request's one vector).
+    row: int | None = None
     score: float
     record: ResultRecord | None
 

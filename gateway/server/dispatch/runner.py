@@ -94,6 +94,9 @@ class Runner:
         self.relay = TokenRelay(jobs, window_s=settings.token_window_ms / 1000)
         # Embedding requests of one model sharing Triton calls (0: a call each).
         self.batched = BatchedInfer(settings.triton_batch_calls) if settings.triton_batch_calls > 0 else None
+        # Without sharing, a many-input request's rows still go in calls of at most the
+        # model's max_batch_size (calls of its own, one at a time).
+        self.split = self.batched or BatchedInfer(1, shared=False)
 
     async def run(self, job: Job, control: RunControl, prepared: Any = None) -> ResultRecord:
         """prepared: the inputs as validated at submission in this process, if they were."""
@@ -308,11 +311,14 @@ class Runner:
     async def _unary(
         self, replica: Replica, run: Run, job: Job, stream: bool, control: RunControl, remaining: float
     ) -> None:
-        """One request, one answer: a call of its own, or a row of a call shared with other
-        requests of its model (the embedding models: replicas/batching.py)."""
-        row = run.batch_row() if self.batched is not None else None
-        if row is not None and self.batched is not None:
-            answer = self.batched.infer(replica, run.triton_model, row, job.request_id, remaining)
+        """One request, one answer: a call of its own, or rows of calls shared with other
+        requests of its model (the embedding models: replicas/batching.py). A many-input
+        request goes as rows whether calls are shared or not: its rows may be more than
+        one call takes."""
+        row = run.batch_row()
+        if row is not None and (self.batched is not None or row.values):
+            batcher = self.batched if self.batched is not None else self.split
+            answer = batcher.infer(replica, run.triton_model, row, job.request_id, remaining)
         else:
             answer = replica.client.infer(
                 run.triton_model,

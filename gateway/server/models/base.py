@@ -84,12 +84,19 @@ class Resume:
 
 @dataclass(frozen=True)
 class BatchRow:
-    """One request as one row of a call shared with others of its model: its BYTES input
-    of shape [1] and the name of its one output (replicas/batching.py)."""
+    """One request as rows of a call shared with others of its model: its BYTES input
+    of shape [1] per row and the name of its one output (replicas/batching.py)."""
 
     input_name: str
     value: bytes
     output_name: str
+    # A many-input request's inputs, one row each (value is then its first): its rows go
+    # into as many calls as the model's max_batch_size needs, within its one run.
+    values: tuple[bytes, ...] = ()
+
+    @property
+    def rows(self) -> tuple[bytes, ...]:
+        return self.values or (self.value,)
 
 
 class Run:

@@ -1,18 +1,72 @@
-"""Embedding models: one text or image in, one L2-normalised vector out (not decoupled)."""
+"""Embedding models: one text or image in, one L2-normalised vector out (not decoupled);
+or a list of up to MAX_INPUTS of them in one request (the /v1 list, the native list form
+of `POST /infer`, as Triton's own API carries a batch), whose vectors come back as one
+block of float32 bytes (gateway.protocol.vectors): one request, one run, one record."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import numpy as np
+from pydantic import Field, PrivateAttr, StringConstraints, model_validator
 from tokenizers import Tokenizer
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import IndexRef, Usage
+from gateway.protocol.vectors import packed
 from gateway.server.llm.tokenizer import token_ids
 from gateway.server.models.base import BatchRow, ModelAdapter, Resume, Run, bytes_tensor, check
-from gateway.server.models.inputs import ImageInputs, NoParameters, TextInputs
+from gateway.server.models.inputs import (
+    MAX_IMAGE_BASE64,
+    MAX_TEXT_CHARS,
+    ImageInputs,
+    NoParameters,
+    Strict,
+    TextInputs,
+    decode_image,
+    refuse_huge_image,
+)
+
+# Inputs one request may carry (OpenAI's limit for an embeddings call); the body size
+# limit (MAX_BODY_BYTES) bounds their text together.
+MAX_INPUTS = 2048
+Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
+Image = Annotated[str, StringConstraints(max_length=MAX_IMAGE_BASE64)]
+
+
+class TextListInputs(Strict):
+    """Many texts in one request: one vector each, in order."""
+
+    text: list[Text] = Field(min_length=1, max_length=MAX_INPUTS)
+
+
+class ImageListInputs(Strict):
+    """Many images (base64 PNG or JPEG) in one request: one vector each, in order."""
+
+    image: list[Image] = Field(min_length=1, max_length=MAX_INPUTS)
+    _data: list[bytes] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _decode(self) -> ImageListInputs:
+        data = []
+        for index, value in enumerate(self.image):
+            try:
+                one = decode_image(value)
+            except ValueError as exc:
+                raise ValueError(f"image[{index}]: {exc}") from None
+            refuse_huge_image(one)
+            data.append(one)
+        self._data = data
+        return self
+
+    @property
+    def data(self) -> list[bytes]:
+        return self._data
+
+
+Prepared = TextInputs | ImageInputs | TextListInputs | ImageListInputs
 
 
 def _load_tokenizer(directory: str | None) -> Tokenizer | None:
@@ -23,32 +77,61 @@ def _load_tokenizer(directory: str | None) -> Tokenizer | None:
 
 
 class EmbeddingRun(Run):
-    def __init__(self, adapter: EmbeddingAdapter, prepared: TextInputs | ImageInputs) -> None:
+    def __init__(self, adapter: EmbeddingAdapter, prepared: Prepared) -> None:
         self.triton_model = adapter.triton_model
         self.adapter = adapter
         self.prepared = prepared
         self.vector: list[float] | None = None
+        # A many-input request's vectors: float32, one row per input, as Triton sent them.
+        self.matrix: np.ndarray | None = None
+
+    @property
+    def many(self) -> bool:
+        return isinstance(self.prepared, TextListInputs | ImageListInputs)
+
+    def _rows(self) -> list[bytes]:
+        prepared = self.prepared
+        if isinstance(prepared, ImageListInputs):
+            return prepared.data
+        if isinstance(prepared, TextListInputs):
+            return [text.encode("utf-8") for text in prepared.text]
+        if isinstance(prepared, ImageInputs):
+            return [prepared.data]
+        return [prepared.text.encode("utf-8")]
 
     def inputs(self, stream: bool) -> list[InferInput]:
-        if isinstance(self.prepared, ImageInputs):
-            return [bytes_tensor(self.adapter.input_name, self.prepared.data)]
-        return [bytes_tensor(self.adapter.input_name, self.prepared.text.encode("utf-8"))]
+        rows = self._rows()
+        if len(rows) == 1:
+            return [bytes_tensor(self.adapter.input_name, rows[0])]
+        batch = InferInput(self.adapter.input_name, [len(rows), 1], "BYTES")
+        batch.set_data_from_numpy(np.array([[row] for row in rows], dtype=np.object_))
+        return [batch]
 
     def outputs(self) -> list[InferRequestedOutput]:
         return [InferRequestedOutput(self.adapter.output_name)]
 
     def batch_row(self) -> BatchRow:
-        value = self.prepared.data if isinstance(self.prepared, ImageInputs) else self.prepared.text.encode("utf-8")
-        return BatchRow(self.adapter.input_name, value, self.adapter.output_name)
+        rows = self._rows()
+        return BatchRow(self.adapter.input_name, rows[0], self.adapter.output_name, tuple(rows) if self.many else ())
 
     def take(self, result: InferResult) -> list:
-        self.vector = result.as_numpy(self.adapter.output_name).reshape(-1).astype(float).tolist()
+        found = result.as_numpy(self.adapter.output_name)
+        if self.many:
+            rows = len(self._rows()) if found is None else found.shape[0]
+            self.matrix = np.ascontiguousarray(np.asarray(found, dtype="<f4").reshape(rows, -1))
+        else:
+            self.vector = found.reshape(-1).astype(float).tolist()
         return []
 
     def final(self) -> tuple[dict[str, Any], Usage | None]:
-        """The vector; the usage (the text's tokens) was counted once at submission and
-        comes from the request (Runner.partial)."""
-        outputs = {self.adapter.output_name: self.vector} if self.vector is not None else {}
+        """The vector (a many-input request: its vectors packed as float32 bytes); the usage
+        (the text's tokens) was counted once at submission and comes from the request
+        (Runner.partial)."""
+        name = self.adapter.output_name
+        if self.matrix is not None:
+            rows, dim = self.matrix.shape
+            return {name: packed(self.matrix.tobytes(), rows, dim)}, None
+        outputs = {name: self.vector} if self.vector is not None else {}
         return outputs, None
 
 
@@ -76,27 +159,49 @@ class EmbeddingAdapter(ModelAdapter):
         self.dimensions = dimensions
         self.index = IndexRef(space=space, output=output_name) if space else None
         self._inputs = ImageInputs if input_kind == "image" else TextInputs
+        self._list_inputs = ImageListInputs if input_kind == "image" else TextListInputs
 
-    def validate(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> TextInputs | ImageInputs:
-        prepared = check(self._inputs, inputs, self.name, "invalid_inputs")
+    def validate(self, inputs: dict[str, Any], parameters: dict[str, Any]) -> Prepared:
+        """One input (its vector a list of floats in the record), or a list of them under
+        the same name (one request: the record holds their vectors packed). A bad input of
+        a list refuses the request, naming its index."""
+        many = isinstance(inputs.get(self.input_name), list)
+        prepared = check(self._list_inputs if many else self._inputs, inputs, self.name, "invalid_inputs")
         check(NoParameters, parameters, self.name, "invalid_inputs")
         return prepared
 
-    def stored_inputs(self, prepared: TextInputs | ImageInputs) -> dict[str, Any]:
+    def inputs_count(self, prepared: Prepared) -> int:
+        if isinstance(prepared, TextListInputs):
+            return len(prepared.text)
+        if isinstance(prepared, ImageListInputs):
+            return len(prepared.image)
+        return 1
+
+    def stored_inputs(self, prepared: Prepared) -> dict[str, Any]:
         if isinstance(prepared, ImageInputs):
-            return {"image": {"sha256": hashlib.sha256(prepared.data).hexdigest(), "bytes": len(prepared.data)}}
+            return {"image": _digest(prepared.data)}
+        if isinstance(prepared, ImageListInputs):
+            return {"image": [_digest(data) for data in prepared.data]}
         return prepared.model_dump()
 
-    def new_run(self, prepared: TextInputs | ImageInputs, resume: Resume | None = None) -> Run:
+    def new_run(self, prepared: Prepared, resume: Resume | None = None) -> Run:
         return EmbeddingRun(self, prepared)
 
-    def prompt_tokens(self, prepared: TextInputs | ImageInputs) -> int | None:
+    def prompt_tokens(self, prepared: Prepared) -> int | None:
         return self.count_tokens(prepared)
 
-    def count_tokens(self, prepared: TextInputs | ImageInputs) -> int | None:
-        if self.tokenizer is None or not isinstance(prepared, TextInputs):
+    def count_tokens(self, prepared: Prepared) -> int | None:
+        if self.tokenizer is None:
+            return None
+        if isinstance(prepared, TextListInputs):  # one call of the tokenizer for them all
+            return sum(len(e.ids) for e in self.tokenizer.encode_batch_fast(prepared.text))
+        if not isinstance(prepared, TextInputs):
             return None
         return len(token_ids(self.tokenizer, prepared.text))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "input": self.input_kind, "space": self.space, "dimensions": self.dimensions}
+
+
+def _digest(data: bytes) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

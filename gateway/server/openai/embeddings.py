@@ -1,32 +1,35 @@
 """POST /v1/embeddings (text models of the registry: text_embed, clip_text) and the model
-list. Each input is an ordinary durable request (its vector goes into the index like
-any other), admitted together with the call's other inputs or not at all; the answer
-gathers them in order. `dimensions` is refused: these models
-have a fixed size. `input` takes strings (token arrays are refused by their type)."""
+list. A call is one durable request, whatever its inputs: one id, one queue entry, one run
+(its rows split into Triton calls of the model's max_batch_size), one record holding all
+its vectors as float32 bytes (gateway.protocol.vectors), one MongoDB document, one FAISS
+add of a row per input. The answer is made from those bytes: base64 slices them (without
+decoding where a row is whole base64 groups), floats are rendered by numpy and
+pydantic-core only when asked for. `dimensions` is refused: these models have a fixed
+size. `input` takes strings (token arrays are refused by their type)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from pydantic_core import to_json
 
 from gateway.protocol import ResultRecord
 from gateway.protocol.http import InferRequest
+from gateway.protocol.vectors import ITEM_BYTES, is_packed, packed_bytes, packed_shape
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.models import InvalidInput
-from gateway.server.models.embedding import EmbeddingAdapter
+from gateway.server.models.embedding import MAX_INPUTS, EmbeddingAdapter
 from gateway.server.openai import common
 from gateway.server.openai.schemas import EmbeddingRequest, refuse_unsupported
 from gateway.server.services import Services, services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
-MAX_INPUTS = 256
 CREATED = 1_700_000_000  # models have no creation time here; a fixed one keeps answers stable
 
 
@@ -50,34 +53,52 @@ def embedding_adapter(svc: Services, body: EmbeddingRequest) -> EmbeddingAdapter
 
 
 def embedding_requests(body: EmbeddingRequest, svc: Services) -> list[InferRequest]:
-    """The ordinary requests behind an embeddings call, one per input (also for batches)."""
+    """The one request behind an embeddings call (also for a batch's line): its inputs as
+    the native list form of `POST /infer`."""
     embedding_adapter(svc, body)
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if not inputs or len(inputs) > MAX_INPUTS:
         raise ApiError(400, "invalid_input", f"input takes 1 to {MAX_INPUTS} strings", details={"param": "input"})
-    if any(not text for text in inputs):
-        raise ApiError(400, "invalid_input", "input strings must not be empty", details={"param": "input"})
+    for index, text in enumerate(inputs):
+        if not text:
+            param = "input" if isinstance(body.input, str) else f"input[{index}]"
+            raise ApiError(400, "invalid_input", f"{param}: input strings must not be empty", details={"param": param})
     labels = {"api": "embeddings", **({"user": body.user} if body.user else {})}
-    return [InferRequest(model=body.model, inputs={"text": text}, metadata=labels) for text in inputs]
+    return [InferRequest(model=body.model, inputs={"text": list(inputs)}, metadata=labels)]
 
 
-def encode(vector: list[float], encoding: str) -> list[float] | str:
+def rendered(value: Any, encoding: str) -> list[Any]:
+    """One answer's embedding per vector an output holds: packed float32 bytes (one per
+    row) or, in records of the single-input form, one list of floats."""
+    if not is_packed(value):
+        if encoding == "base64":
+            return [base64.b64encode(np.asarray(value, dtype="<f4").tobytes()).decode("ascii")]
+        return [value]
+    rows, dim = packed_shape(value)
+    row_bytes = dim * ITEM_BYTES
+    if encoding == "base64" and isinstance(value["data"], str) and row_bytes % 3 == 0:
+        # Each row is whole base64 groups: its base64 is a slice of the block's, no decoding.
+        text, width = value["data"], row_bytes // 3 * 4
+        return [text[row * width : (row + 1) * width] for row in range(rows)]
+    raw = memoryview(packed_bytes(value))
     if encoding == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return vector
+        return [base64.b64encode(raw[row * row_bytes : (row + 1) * row_bytes]).decode("ascii") for row in range(rows)]
+    return np.frombuffer(raw, dtype="<f4").reshape(rows, dim).tolist()
 
 
 def embeddings_response(
     records: list[ResultRecord], adapter: EmbeddingAdapter, body: EmbeddingRequest
 ) -> dict[str, Any]:
-    """The answer to an embeddings call from its requests' records, in input order
-    (raises for a request that did not succeed)."""
-    data = []
+    """The answer to an embeddings call from its request's record (or, for a call made
+    before a call was one request, its requests' records), in input order (raises for a
+    request that did not succeed)."""
+    data: list[dict[str, Any]] = []
     tokens = 0
-    for index, record in enumerate(records):
+    for record in records:
         common.raise_for_record(record)
-        vector = (record.outputs or {}).get(adapter.output_name) or []
-        data.append({"object": "embedding", "index": index, "embedding": encode(vector, body.encoding_format)})
+        value = (record.outputs or {}).get(adapter.output_name) or []
+        for embedding in rendered(value, body.encoding_format):
+            data.append({"object": "embedding", "index": len(data), "embedding": embedding})
         tokens += record.usage.prompt_tokens if record.usage else 0
     return {
         "object": "list",
@@ -93,8 +114,10 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, who: Annot
     adapter = embedding_adapter(svc, body)
     natives = embedding_requests(body, svc)
     ids = await common.start(svc, who, request, natives)
-    records = await asyncio.gather(*(common.wait_record(svc, who, rid, svc.settings.default_timeout_s) for rid in ids))
-    return JSONResponse(embeddings_response(list(records), adapter, body), headers={"x-request-id": ",".join(ids)})
+    records = await common.wait_records(svc, who, ids, svc.settings.default_timeout_s)
+    # pydantic-core writes the JSON (floats included) in one pass, without json.dumps.
+    answer = to_json(embeddings_response(records, adapter, body))
+    return Response(answer, media_type="application/json", headers={"x-request-id": ",".join(ids)})
 
 
 def model_object(name: str) -> dict[str, Any]:

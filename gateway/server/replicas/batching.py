@@ -9,10 +9,15 @@ max_batch_size (read from the model's configuration, once per replica). An idle 
 costs no wait: a request that finds fewer calls in flight is sent in the same turn of the
 event loop. Each request still holds its own replica slot.
 
-A batched call that fails as a whole is tried again item by item, so one bad input fails
-only itself; a caller that stops waiting (a cancel, its deadline) leaves the call to the
-others. Only runs whose input is one BYTES element of shape [1] and whose output is one
-tensor (the embedding models) are batched: see Run.batch_row.
+A many-input request (an embeddings call of a list) is rows of its own: its rows fill
+calls as one-row requests do, so a request larger than max_batch_size is split into
+several calls (up to `calls` of them in flight) within its one run, and its answer is all
+its rows in order, once the last call holding any of them has answered.
+
+A batched call that fails as a whole is tried again request by request, so one bad input
+fails only its own request; a caller that stops waiting (a cancel, its deadline) leaves
+the call to the others. Only runs whose input is one BYTES element of shape [1] per row
+and whose output is one tensor (the embedding models) are batched: see Run.batch_row.
 """
 
 from __future__ import annotations
@@ -39,16 +44,37 @@ class _Item:
     request_id: str
     deadline: float  # loop time
     answer: asyncio.Future[np.ndarray] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    sent: int = 0  # rows handed to calls so far
+    filled: int = 0  # rows answered so far
+    out: np.ndarray | None = None  # its rows' outputs, filled in place as calls answer
+
+    @property
+    def size(self) -> int:
+        return len(self.row.rows)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Rows [start, start + count) of one request, in one call."""
+
+    item: _Item
+    start: int
+    count: int
+
+    @property
+    def values(self) -> tuple[bytes, ...]:
+        return self.item.row.rows[self.start : self.start + self.count]
 
 
 class RowResult:
-    """What a caller gets: its own row, read the way an InferResult is read."""
+    """What a caller gets: its own rows (one per input, in order), read the way an
+    InferResult is read."""
 
-    def __init__(self, name: str, row: np.ndarray) -> None:
-        self._name, self._row = name, row
+    def __init__(self, name: str, rows: np.ndarray) -> None:
+        self._name, self._rows = name, rows
 
     def as_numpy(self, name: str) -> np.ndarray | None:
-        return self._row[np.newaxis, ...] if name == self._name else None
+        return self._rows if name == self._name else None
 
 
 @dataclass
@@ -62,20 +88,25 @@ class _Lane:
 
 
 class BatchedInfer:
-    def __init__(self, calls: int) -> None:
+    def __init__(self, calls: int, *, shared: bool = True) -> None:
+        """shared=False: each request's rows go in calls of their own (TRITON_BATCH_CALLS=0,
+        where a many-input request still needs splitting by max_batch_size)."""
         self.calls = max(1, calls)
-        self._lanes: dict[tuple[Replica, str], _Lane] = {}
+        self.shared = shared
+        self._lanes: dict[tuple[Replica, str, str], _Lane] = {}
         self._max_batch: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def infer(self, replica: Replica, model: str, row: BatchRow, request_id: str, timeout_s: float) -> RowResult:
-        """The row's output; raises what the replica's call raised for it."""
+        """The rows' outputs (one per input, in order); raises what the replica's call
+        raised for them."""
         loop = asyncio.get_running_loop()
         item = _Item(row, request_id, loop.time() + timeout_s)
-        lane = self._lanes.setdefault((replica, model), _Lane())
+        key = (replica, model, "" if self.shared else request_id)
+        lane = self._lanes.setdefault(key, _Lane())
         lane.waiting.append(item)
         if lane.in_flight < self.calls and not lane.gathering:
-            self._send_next(replica, model, lane)
+            self._send_next(key, lane)
         try:
             return RowResult(row.output_name, await asyncio.wait_for(asyncio.shield(item.answer), timeout_s))
         except TimeoutError:
@@ -85,56 +116,63 @@ class BatchedInfer:
         finally:
             item.answer.cancel()  # stopped waiting (or answered): the call leaves this row out
 
-    def _send_next(self, replica: Replica, model: str, lane: _Lane) -> None:
+    def _send_next(self, key: tuple[Replica, str, str], lane: _Lane) -> None:
         if not lane.waiting:
             if lane.in_flight == 0:
-                self._lanes.pop((replica, model), None)
+                self._lanes.pop(key, None)
             return
         lane.in_flight += 1
         lane.gathering = True
-        task = asyncio.get_running_loop().create_task(self._call(replica, model, lane))
+        task = asyncio.get_running_loop().create_task(self._call(key, lane))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _call(self, replica: Replica, model: str, lane: _Lane) -> None:
+    async def _call(self, key: tuple[Replica, str, str], lane: _Lane) -> None:
+        replica, model, _ = key
         try:
             size = await self._batch_size(replica, model)
             lane.gathering = False
-            items = [lane.waiting.popleft() for _ in range(min(size, len(lane.waiting)))]
-            items = [i for i in items if not i.answer.done()]  # callers that stopped waiting
-            if items:
-                await self._send(replica, model, items)
+            pieces = _gather(lane.waiting, size)
+            if lane.waiting and lane.in_flight < self.calls:
+                self._send_next(key, lane)  # the rest of a large request: its next call now
+            if pieces:
+                await self._send(replica, model, pieces)
         finally:
             lane.in_flight -= 1
-            self._send_next(replica, model, lane)
+            self._send_next(key, lane)
 
-    async def _send(self, replica: Replica, model: str, items: list[_Item]) -> None:
+    async def _send(self, replica: Replica, model: str, pieces: list[_Piece]) -> None:
         loop = asyncio.get_running_loop()
-        remaining = max(0.001, max(i.deadline for i in items) - loop.time())
-        first = items[0].row
-        batch = InferInput(first.input_name, [len(items), 1], "BYTES")
-        batch.set_data_from_numpy(np.array([[i.row.value] for i in items], dtype=np.object_))
+        remaining = max(0.001, max(p.item.deadline for p in pieces) - loop.time())
+        first = pieces[0].item.row
+        values = [value for piece in pieces for value in piece.values]
+        batch = InferInput(first.input_name, [len(values), 1], "BYTES")
+        batch.set_data_from_numpy(np.array([[value] for value in values], dtype=np.object_))
+        alone = len({id(p.item) for p in pieces}) == 1
         try:
             result = await replica.client.infer(
                 model,
                 [batch],
                 outputs=[InferRequestedOutput(first.output_name)],
-                request_id=items[0].request_id if len(items) == 1 else "",
+                request_id=pieces[0].item.request_id if alone else "",
                 client_timeout=remaining,
                 timeout=int(remaining * 1e6),
             )
             rows = result.as_numpy(first.output_name)
-            if rows is None or len(rows) != len(items):
-                raise RuntimeError(f"{model} answered {0 if rows is None else len(rows)} rows for {len(items)}")
+            if rows is None or len(rows) != len(values):
+                raise RuntimeError(f"{model} answered {0 if rows is None else len(rows)} rows for {len(values)}")
         except Exception as exc:
-            if len(items) == 1:
-                _settle(items[0], error=exc)
+            if alone:
+                for piece in pieces:
+                    _settle(piece.item, error=exc)
                 return
-            log.debug("a batch of %d for %s failed (%s); trying each alone", len(items), model, type(exc).__name__)
-            await asyncio.gather(*(self._send(replica, model, [item]) for item in items))
+            log.debug("a batch of %d for %s failed (%s); trying each alone", len(pieces), model, type(exc).__name__)
+            await asyncio.gather(*(self._send(replica, model, [piece]) for piece in pieces))
             return
-        for item, row in zip(items, rows, strict=True):
-            _settle(item, row=row)
+        at = 0
+        for piece in pieces:
+            _fill(piece, rows[at : at + piece.count])
+            at += piece.count
 
     async def _batch_size(self, replica: Replica, model: str) -> int:
         key = (replica.url, model)
@@ -147,6 +185,40 @@ class BatchedInfer:
                 return 1
             self._max_batch[key] = size
         return max(1, size)
+
+
+def _gather(waiting: deque[_Item], size: int) -> list[_Piece]:
+    """Up to `size` rows for one call, from the requests first in line: a request whose
+    rows do not all fit stays first, its next rows for the next call."""
+    pieces: list[_Piece] = []
+    room = size
+    while waiting and room:
+        item = waiting[0]
+        if item.answer.done():  # its caller stopped waiting
+            waiting.popleft()
+            continue
+        count = min(room, item.size - item.sent)
+        pieces.append(_Piece(item, item.sent, count))
+        item.sent += count
+        room -= count
+        if item.sent == item.size:
+            waiting.popleft()
+    return pieces
+
+
+def _fill(piece: _Piece, rows: np.ndarray) -> None:
+    item = piece.item
+    if item.answer.done():
+        return
+    if item.size == 1:
+        _settle(item, row=rows)  # shape [1, ...]: the one row, as a call of its own answers it
+        return
+    if item.out is None:
+        item.out = np.empty((item.size, *rows.shape[1:]), dtype=rows.dtype)
+    item.out[piece.start : piece.start + piece.count] = rows
+    item.filled += piece.count
+    if item.filled == item.size:
+        _settle(item, row=item.out)
 
 
 def _settle(item: _Item, *, row: np.ndarray | None = None, error: BaseException | None = None) -> None:

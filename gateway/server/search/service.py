@@ -46,7 +46,9 @@ class SearchService:
         return SearchResponse(
             space=space,
             hits=[
-                SearchHit(request_id=h["request_id"], score=h["score"], record=records.get(h["request_id"]))
+                SearchHit(
+                    request_id=h["request_id"], row=h.get("row"), score=h["score"], record=records.get(h["request_id"])
+                )
                 for h in hits
             ],
         )

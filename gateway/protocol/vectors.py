@@ -1,0 +1,56 @@
+"""Embeddings as bytes: how a record holds the vectors of a many-input call.
+
+A many-input embeddings call (the /v1 list, the native `POST /infer` with a list) is one
+request, and its record's output holds all its vectors as one block of little-endian
+float32, row after row, as Triton returned them:
+
+    {"dtype": "float32", "shape": [rows, dim], "data": "<base64 of rows x dim x 4 bytes>"}
+
+In JSON (Redis, the HTTP API) `data` is base64; in MongoDB it is BSON binary. A
+single-input native request keeps the older form, one vector as a list of floats, as do
+the records stored before the packed form existed: readers take both (`vector_rows`).
+
+Pure data (no numpy): the gateway and the binder make arrays of the bytes themselves."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+DTYPE = "float32"
+ITEM_BYTES = 4
+
+
+def packed(data: bytes, rows: int, dim: int) -> dict[str, Any]:
+    """The packed form of rows x dim float32 values (little-endian, row after row)."""
+    if len(data) != rows * dim * ITEM_BYTES:
+        raise ValueError(f"{len(data)} bytes are not {rows} x {dim} float32 values")
+    return {"dtype": DTYPE, "shape": [rows, dim], "data": base64.b64encode(data).decode("ascii")}
+
+
+def is_packed(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("dtype") == DTYPE and "shape" in value and "data" in value
+
+
+def packed_shape(value: dict[str, Any]) -> tuple[int, int]:
+    rows, dim = value["shape"]
+    return int(rows), int(dim)
+
+
+def packed_bytes(value: dict[str, Any]) -> bytes:
+    """The float32 bytes of a packed value, whether it holds them as base64 text (JSON) or
+    as bytes (read from MongoDB)."""
+    data = value["data"]
+    raw = bytes(data) if isinstance(data, bytes | bytearray | memoryview) else base64.b64decode(data)
+    rows, dim = packed_shape(value)
+    if len(raw) != rows * dim * ITEM_BYTES:
+        raise ValueError(f"packed vectors of shape {rows}x{dim} hold {len(raw)} bytes")
+    return raw
+
+
+def vector_rows(value: Any) -> int:
+    """How many vectors an embedding output holds: a packed block's rows, 1 for a list of
+    floats (the single-input form), 0 for anything else."""
+    if is_packed(value):
+        return packed_shape(value)[0]
+    return 1 if isinstance(value, list) and value else 0
