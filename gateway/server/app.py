@@ -36,6 +36,7 @@ from gateway.server.dispatch.runner import Runner
 from gateway.server.dispatch.sweeper import Sweeper
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
+from gateway.server.models.inputs import limit_image_pixels
 from gateway.server.openai import batches, chat, conversations, embeddings, files, responses
 from gateway.server.openai.batch_runner import BatchRunner
 from gateway.server.openai.batches import BatchStore
@@ -146,6 +147,7 @@ def keep_collector_off_the_hot_path(young_threshold: int) -> None:
 def create_app(settings: GatewaySettings | None = None) -> Edge:
     settings = settings or GatewaySettings()
     configure_logging(settings.log_level, settings.log_format)
+    limit_image_pixels(settings.max_image_pixels)
     metrics = GatewayMetrics()
 
     @asynccontextmanager

@@ -23,6 +23,9 @@ class GatewaySettings(ServiceSettings):
 
     # -- HTTP -----------------------------------------------------------------------------
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # Pixels an image input may declare (width x height, read from its header before
+    # anything decodes it): more is 422 image_too_large.
+    max_image_pixels: int = Field(default=50_000_000, gt=0)
     # A client must send its request headers, and then its body, within these.
     header_timeout_s: float = Field(default=10.0, gt=0)
     # The request line and headers together (431 beyond).

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import struct
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, model_validator
 
+from gateway.server.models.base import InvalidInput
+
 MAX_TEXT_CHARS = 100_000
 MAX_IMAGE_BASE64 = 11 * 1024 * 1024
+# Pixels an image may declare (width x height; MAX_IMAGE_PIXELS, set by the app from its
+# settings): a few MB of JPEG can declare 40000x40000, which a decoder allocates in full
+# (nvjpeg on the GPU has no limit of its own).
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+_max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS
 # A stop or bad word: short text, as TensorRT-LLM's word lists expect.
 Word = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 # What image files begin with: PNG, JPEG, GIF, WebP (RIFF), BMP.
@@ -84,6 +92,7 @@ class ImageInputs(Strict):
     @model_validator(mode="after")
     def _decode(self) -> ImageInputs:
         self._data = decode_image(self.image)  # once: the tensor and the digest reuse it
+        refuse_huge_image(self._data)
         return self
 
     @property
@@ -103,3 +112,121 @@ def decode_image(value: str) -> bytes:
     if not data.startswith(_IMAGE_SIGNATURES):
         raise ValueError("image is not a PNG, JPEG, GIF, WebP or BMP file")
     return data
+
+
+def limit_image_pixels(pixels: int) -> None:
+    """The most pixels an image may declare (the gateway's MAX_IMAGE_PIXELS)."""
+    global _max_image_pixels
+    _max_image_pixels = pixels
+
+
+def refuse_huge_image(data: bytes) -> None:
+    """InvalidInput image_too_large when the image's header declares more pixels than the
+    limit: read from the header alone, nothing decoded. (An InvalidInput, not a ValueError:
+    pydantic passes it on as it is, so its code reaches the caller.) A header that cannot be
+    read is left to the model, which refuses what it cannot decode and keeps a limit too."""
+    size = image_size(data)
+    if size is not None and size[0] * size[1] > _max_image_pixels:
+        width, height = size
+        raise InvalidInput(
+            "image_too_large",
+            f"the image is {width}x{height} pixels ({width * height}); at most {_max_image_pixels} pixels are taken",
+            {"width": width, "height": height, "max_pixels": _max_image_pixels},
+        )
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) as a PNG, JPEG, GIF, WebP or BMP header declares it; None when the
+    header cannot be read."""
+    try:
+        if data.startswith(b"\x89PNG\r\n\x1a\n"):
+            return _png_size(data)
+        if data.startswith(b"\xff\xd8"):
+            return _jpeg_size(data)
+        if data.startswith((b"GIF87a", b"GIF89a")):
+            return _gif_size(data)
+        if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
+            return _webp_size(data)
+        if data.startswith(b"BM"):
+            return _bmp_size(data)
+    except (struct.error, IndexError):
+        return None
+    return None
+
+
+def _png_size(data: bytes) -> tuple[int, int] | None:
+    # The first chunk is IHDR: length, type, then width and height (big-endian).
+    if data[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack_from(">II", data, 16)
+    return width, height
+
+
+# JPEG markers without a length (TEM, RST0-7, SOI, EOI) and the start-of-frame markers
+# (SOF0-15 but DHT, JPG and DAC), whose segment holds the height and width.
+_JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xDA)})
+_JPEG_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    at = 2
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            at += 1
+            continue
+        if marker in _JPEG_STANDALONE:
+            at += 2
+            continue
+        if marker == 0xDA:  # start of scan, and no frame header before it
+            return None
+        if marker in _JPEG_FRAME:
+            height, width = struct.unpack_from(">HH", data, at + 5)
+            return width, height
+        (length,) = struct.unpack_from(">H", data, at + 2)
+        if length < 2:
+            return None
+        at += 2 + length
+    return None
+
+
+def _gif_size(data: bytes) -> tuple[int, int]:
+    """The logical screen, grown to the first frame's extent (a decoder allocates both)."""
+    width, height, flags = struct.unpack_from("<HHB", data, 6)
+    at = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)
+    while at < len(data):
+        block = data[at]
+        if block == 0x2C:  # image descriptor: left, top, width, height
+            left, top, frame_w, frame_h = struct.unpack_from("<HHHH", data, at + 1)
+            return max(width, left + frame_w), max(height, top + frame_h)
+        if block != 0x21:  # the trailer, or not a block at all
+            break
+        at += 2  # an extension: introducer, label, then sub-blocks up to an empty one
+        while data[at]:
+            at += data[at] + 1
+        at += 1
+    return width, height
+
+
+def _webp_size(data: bytes) -> tuple[int, int] | None:
+    chunk = data[12:16]
+    if chunk == b"VP8X":  # canvas width - 1 and height - 1, 24 bits each
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack_from("<HH", data, 26)
+        return width & 0x3FFF, height & 0x3FFF
+    if chunk == b"VP8L" and data[20] == 0x2F:  # 14 bits of width - 1, then of height - 1
+        (bits,) = struct.unpack_from("<I", data, 21)
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    return None
+
+
+def _bmp_size(data: bytes) -> tuple[int, int]:
+    (header,) = struct.unpack_from("<I", data, 14)
+    if header == 12:  # OS/2's BITMAPCOREHEADER: 16-bit sides
+        width, height = struct.unpack_from("<HH", data, 18)
+        return width, height
+    width, height = struct.unpack_from("<ii", data, 18)
+    return abs(width), abs(height)  # a negative height: rows top-down

@@ -6,6 +6,10 @@ in the serving container): convert to RGB, resize so the short side is `shortest
 std. The numbers come from the model's preprocessor_config.json, old or new layout.
 The helpers are plain functions so that tests and the int8 calibration of
 `gateway model-repo export-clip` use exactly this code.
+
+An image whose header declares more than MAX_IMAGE_PIXELS (or the config's parameter
+max_image_pixels) is refused before it is decoded: a few MB of JPEG can declare
+40000x40000, which the decoder would allocate in full. The gateway refuses it first.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported by tests or export-clip outside Triton
     pb_utils = None
+
+MAX_IMAGE_PIXELS = 50_000_000
 
 
 # A NamedTuple rather than a dataclass: Triton's stub may load this file under a module
@@ -67,13 +73,21 @@ def resized_size(width: int, height: int, shortest_edge: int) -> tuple[int, int]
     return int(shortest_edge * width / height), shortest_edge
 
 
-def preprocess_image(data: bytes, config: ImageConfig) -> np.ndarray:
+def preprocess_image(data: bytes, config: ImageConfig, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
     from PIL import Image
 
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
+        image = Image.open(io.BytesIO(data))  # the header only: PIL decodes at load()
+    except Image.DecompressionBombError as exc:  # PIL's own limit, past twice its warning
+        raise ValueError(f"the image is over the limit of {max_pixels} pixels ({exc})") from None
     except Exception as exc:  # PIL raises several types for undecodable input
+        raise ValueError(f"image is not a readable PNG/JPEG: {exc}") from exc
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ValueError(f"the image is {width}x{height} pixels, over the limit of {max_pixels} pixels")
+    try:
+        image.load()
+    except Exception as exc:
         raise ValueError(f"image is not a readable PNG/JPEG: {exc}") from exc
     image = image.convert("RGB")
     image = image.resize(resized_size(*image.size, config.shortest_edge), resample=Image.Resampling(config.resample))
@@ -89,9 +103,10 @@ def preprocess_image(data: bytes, config: ImageConfig) -> np.ndarray:
     return normalised.transpose(2, 0, 1).astype(np.float32)
 
 
-def preprocess_batch(images: np.ndarray, config: ImageConfig) -> np.ndarray:
+def preprocess_batch(images: np.ndarray, config: ImageConfig, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
     """A [batch, 1] TYPE_STRING tensor of encoded images -> [batch, 3, H, W]."""
-    return np.stack([preprocess_image(bytes(row[0]), config) for row in images.reshape(images.shape[0], -1)])
+    rows = images.reshape(images.shape[0], -1)
+    return np.stack([preprocess_image(bytes(row[0]), config, max_pixels) for row in rows])
 
 
 class TritonPythonModel:
@@ -99,6 +114,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.config = load_image_config(params["hf_model_dir"])
+        self.max_pixels = int(params.get("max_image_pixels") or MAX_IMAGE_PIXELS)
         expected = int(params["image_size"])
         if (self.config.crop_height, self.config.crop_width) != (expected, expected):
             # Fail at load time, not on the first request: the plan's input is fixed.
@@ -112,7 +128,7 @@ class TritonPythonModel:
         for request in requests:
             images = pb_utils.get_input_tensor_by_name(request, "image").as_numpy()
             try:
-                pixels = preprocess_batch(images, self.config)
+                pixels = preprocess_batch(images, self.config, self.max_pixels)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("pixel_values", pixels)]))
             except ValueError as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))

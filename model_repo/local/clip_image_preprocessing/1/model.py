@@ -7,7 +7,12 @@ On the CPU (KIND_CPU, as written) each image goes through PIL and numpy. On the 
 launcher gives this step (KIND_GPU, STACK_DEVICE=cuda): JPEGs are decoded there by nvjpeg
 (torchvision's batched decode_jpeg), other formats by PIL on the CPU (nvjpeg reads no PNG),
 and the resize (torch's antialiased bicubic, PIL's filter), crop and normalisation run on the
-GPU, one batch per image size for all the requests Triton hands over at once."""
+GPU, one batch per image size for all the requests Triton hands over at once.
+
+An image whose header declares more than max_image_pixels (the config's parameter, else
+MAX_IMAGE_PIXELS) is refused before it is decoded, by PIL and nvjpeg alike: a few MB of
+JPEG can declare 40000x40000, which a decoder would allocate in full. The gateway refuses
+it first (its MAX_IMAGE_PIXELS); this is the model's own guard."""
 
 import io
 import json
@@ -23,6 +28,7 @@ except ImportError:  # imported by tests outside Triton
     pb_utils = None
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+MAX_IMAGE_PIXELS = 50_000_000
 
 
 def _side(value, key: str) -> int:
@@ -30,7 +36,8 @@ def _side(value, key: str) -> int:
 
 
 class ClipImageTransform:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, max_pixels: int = MAX_IMAGE_PIXELS):
+        self.max_pixels = max_pixels
         size = config.get("size", 224)
         self.resize = _side(size, "shortest_edge") if isinstance(size, dict) and "shortest_edge" in size else _side(size, "height")
         crop = config.get("crop_size", self.resize)
@@ -43,11 +50,29 @@ class ClipImageTransform:
         ratio = self.resize / min(width, height)
         return max(1, round(width * ratio)), max(1, round(height * ratio))
 
-    @staticmethod
-    def decode(data: bytes) -> Image.Image:
-        image = Image.open(io.BytesIO(data))
+    def open(self, data: bytes) -> Image.Image:
+        """The image with only its header read (PIL opens lazily); ValueError when it
+        declares more than max_pixels."""
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exc:  # PIL's own limit, past twice its warning
+            raise ValueError(f"the image is over the limit of {self.max_pixels} pixels ({exc})") from None
+        width, height = image.size
+        if width * height > self.max_pixels:
+            raise ValueError(f"the image is {width}x{height} pixels, over the limit of {self.max_pixels} pixels")
+        return image
+
+    def decode(self, data: bytes) -> Image.Image:
+        image = self.open(data)
         image.load()  # decode now, so a truncated file fails here
         return image.convert("RGB")
+
+    def within_limit(self, data: bytes) -> bool:
+        try:
+            self.open(data)
+        except Exception:
+            return False
+        return True
 
     def __call__(self, data: bytes) -> np.ndarray:
         image = self.decode(data)
@@ -90,7 +115,13 @@ class TorchImageTransform:
         read, and every other format, goes to PIL."""
         torch = self.torch
         images: list = [None] * len(datas)
-        jpegs = [i for i, data in enumerate(datas) if data[:3] == JPEG_MAGIC] if self.decode_jpegs else []
+        # nvjpeg allocates what a header declares: only JPEGs whose header PIL reads and whose
+        # size is within the limit go there (PIL refuses the others below, saying why).
+        jpegs = (
+            [i for i, data in enumerate(datas) if data[:3] == JPEG_MAGIC and self.transform.within_limit(data)]
+            if self.decode_jpegs
+            else []
+        )
         if jpegs:
             try:
                 decoded = self.decode_jpegs([torch.frombuffer(bytearray(datas[i]), dtype=torch.uint8) for i in jpegs])
@@ -135,7 +166,9 @@ class TritonPythonModel:
     def initialize(self, args):
         params = json.loads(args["model_config"]).get("parameters", {})
         model_dir = Path(os.path.expandvars(params["model_dir"]["string_value"]))
-        self.transform = ClipImageTransform(json.loads((model_dir / "preprocessor_config.json").read_text()))
+        config = json.loads((model_dir / "preprocessor_config.json").read_text())
+        max_pixels = int(params.get("max_image_pixels", {}).get("string_value") or MAX_IMAGE_PIXELS)
+        self.transform = ClipImageTransform(config, max_pixels)
         self.on_gpu = None
         if args.get("model_instance_kind") == "GPU":
             self.on_gpu = TorchImageTransform(self.transform, f"cuda:{args['model_instance_device_id']}")
