@@ -165,3 +165,24 @@ async def test_a_caller_that_stops_waiting_leaves_the_others_of_its_merged_call_
     gone.cancel()
     assert await staying == ["v:staying"]
     assert gone.cancelled()
+
+
+async def test_a_call_whose_caller_stopped_waiting_before_the_flush_is_not_sent(client: Redis) -> None:
+    await client.delete("abandoned", "kept")
+    group = GroupCommit(client)
+    echo = AsyncScript(client, ECHO)
+    gone = asyncio.ensure_future(group.call(echo, ["abandoned"], ["gone"]))
+    await asyncio.sleep(0)  # its call is made and waits for the flush
+    gone.cancel()
+    assert await group.call(echo, ["kept"], ["staying"]) == "staying"
+    assert await client.get("abandoned") is None
+
+
+async def test_merged_calls_carry_at_most_a_megabyte_of_arguments(client: Redis) -> None:
+    await client.delete("calls")
+    group = GroupCommit(client)
+    many = many_script(client)
+    payload = "p" * (300 * 1024)
+    replies = await asyncio.gather(*(group.call(many, ["shared", f"big{i}"], ["", payload]) for i in range(8)))
+    assert all(reply == [payload] for reply in replies)
+    assert await client.get("calls") == "3"  # 3 + 3 + 2 items of 300 KB, not one call of 2.4 MB

@@ -976,3 +976,43 @@ async def test_a_tenant_waiting_in_the_high_and_normal_bands_has_one_share(store
     _, ordinary = await queue(store, "other", 5)
     order = [job.request_id for job in await take_all(store)]
     assert max(order.index(request_id) for request_id in ordinary) < 2 * len(ordinary) + scripts.HIGH_BAND_LEAD
+
+
+async def test_a_take_of_large_payloads_parses_them_off_the_event_loop(store: JobStore, monkeypatch) -> None:
+    threaded: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    async def to_thread(work, *args):
+        threaded.append(work)
+        return await real_to_thread(work, *args)
+
+    monkeypatch.setattr(jobs.asyncio, "to_thread", to_thread)
+    now = time.time()
+    small = [NewRequest(new_request_id(now), {"inputs": {"text": "x"}}, now, now + 60) for _ in range(4)]
+    await store.submit(small, model="m", tenant="t", band="normal", admission=OPEN)
+    assert len(await store.take_many(SHARD, "m", "c1", most=4)) == 4 and threaded == []
+    large = [NewRequest(new_request_id(now), {"inputs": {"text": "x" * 100_000}}, now, now + 60) for _ in range(4)]
+    await store.submit(large, model="m", tenant="t", band="normal", admission=OPEN)
+    taken = await store.take_many(SHARD, "m", "c1", most=4)
+    assert len(taken) == 4 and len(threaded) == 1
+    assert all(len(job.payload["inputs"]["text"]) == 100_000 for job in taken)
+
+
+async def test_the_sweep_reads_a_shards_overdue_requests_in_one_round_trip_and_expires_them(
+    store: JobStore, monkeypatch
+) -> None:
+    from gateway.server.dispatch.sweeper import Sweeper
+    from gateway.server.settings import GatewaySettings
+
+    now = time.time()
+    overdue = [NewRequest(new_request_id(now), {"inputs": {"text": "late"}}, now - 10, now - 1) for _ in range(50)]
+    await store.submit(overdue, model="m", tenant="t", band="normal", admission=OPEN)
+
+    async def one_by_one(request_id: str) -> None:
+        raise AssertionError("a request read on its own")
+
+    monkeypatch.setattr(store, "load", one_by_one)
+    sweeper = Sweeper(store.redis, store, SimpleNamespace(replicas=[]), GatewaySettings(), metrics=None)  # type: ignore[arg-type]
+    await sweeper.expire_overdue()
+    assert {job.state for job in await store.load_many([r.request_id for r in overdue])} == {State.EXPIRED}
+    assert await store.redis.zcard(SHARD.deadlines) == 0

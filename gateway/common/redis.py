@@ -83,6 +83,12 @@ def is_redis_full(exc: BaseException) -> bool:
     )
 
 
+def waits_for_redis(exc: BaseException) -> bool:
+    """Whether a write that failed so is tried again once Redis is back or has room: an
+    outage, or Redis at its maxmemory (room comes back as results are stored and expire)."""
+    return isinstance(exc, REDIS_OUTAGE) or is_redis_full(exc)
+
+
 # Slot map refreshes are coalesced: at most one in this long.
 _REFRESH_EVERY_S = 0.2
 # Client ids of blocking readers remembered (a reader per shard and process, reconnecting now and then).
@@ -191,11 +197,34 @@ class _Call:
     answer: asyncio.Future[Any]
 
 
+# A merged call carries at most this many bytes of arguments (an item larger goes alone):
+# a script runs alone in Redis, and one of many large payloads would hold it up for long.
+MERGED_MOST_BYTES = 1024 * 1024
+
+
+def _size(args: list[Any]) -> int:
+    return sum(len(arg) for arg in args if isinstance(arg, str | bytes))
+
+
+def _batches(group: list[_Call], args: int, most: int) -> list[list[_Call]]:
+    """The calls of a group in merged calls of at most `most` items and MERGED_MOST_BYTES."""
+    out: list[list[_Call]] = [[]]
+    size = 0
+    for call in group:
+        item = _size(call.args[args:])
+        if out[-1] and (len(out[-1]) >= most or size + item > MERGED_MOST_BYTES):
+            out.append([])
+            size = 0
+        out[-1].append(call)
+        size += item
+    return out
+
+
 def _merged(calls: list[_Call]) -> list[_Call]:
     """Calls of a script made for many items (its `head`: the numbers of keys and arguments
     its items share, then each item's own; its reply: one per item) that share their head
-    become one call of at most its `most` items; each caller gets its own item's reply, as
-    [reply], as if it had called alone."""
+    become one call of at most its `most` items and MERGED_MOST_BYTES of their arguments;
+    each caller gets its own item's reply, as [reply], as if it had called alone."""
     out: list[_Call] = []
     groups: dict[tuple[Any, ...], tuple[tuple[int, int], list[_Call]]] = {}
     for call in calls:
@@ -207,9 +236,7 @@ def _merged(calls: list[_Call]) -> list[_Call]:
         groups.setdefault((id(call.script), *call.keys[:keys], *call.args[:args]), (head, []))[1].append(call)
     for (keys, args), group in groups.values():
         first = group[0]
-        most = getattr(first.script, "most", len(group))
-        for start in range(0, len(group), most):
-            members = group[start : start + most]
+        for members in _batches(group, args, getattr(first.script, "most", len(group))):
             if len(members) == 1:
                 out.append(members[0])
                 continue
@@ -273,7 +300,10 @@ class GroupCommit:
         return await call.answer
 
     def _flush(self, wait: bool) -> None:
-        calls, self._ready[wait] = _merged(self._ready[wait]), []
+        # A call whose caller stopped waiting before it was sent is not sent: nobody would
+        # learn its outcome (a submission the client gave up on is not made).
+        live = [call for call in self._ready[wait] if not call.answer.done()]
+        calls, self._ready[wait] = _merged(live), []
         task = asyncio.get_running_loop().create_task(self._send(calls, wait))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)

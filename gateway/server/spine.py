@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.common.logs import bind_request_ids
-from gateway.common.redis import REDIS_OUTAGE
+from gateway.common.redis import NotReplicated, waits_for_redis
 from gateway.protocol import ErrorInfo, ResultRecord, State, new_request_id
 from gateway.protocol.http import InferRequest
 from gateway.protocol.redis_keys import Shard, band_for
@@ -160,6 +160,7 @@ async def accept(
         who.headers |= await parts.quotas.admit(who.config, sum(t or 0 for t in prompt_tokens) or 1)
     # SUBMIT, starting it at once where this process has room and nothing of the model waits.
     start_as, light_only = parts.starts.can_start_now(model, who.tenant) if len(new) == 1 else ("", False)
+    charged = sum(t or 0 for t in prompt_tokens) if not batch else None
     try:
         submitted = await parts.jobs.submit(
             new,
@@ -170,9 +171,15 @@ async def accept(
             start_as=start_as,
             light_only=light_only,
         )
+    except NotReplicated:
+        if charged is not None:
+            await parts.quotas.refund(who.config, charged)
+        raise
     finally:
         if start_as:
             parts.starts.end_start_now(model)  # the run, if started, is adopted below
+    if charged is not None and submitted.outcome in ("full", "existing"):
+        await parts.quotas.refund(who.config, charged)  # nothing was accepted: nothing is owed
     if submitted.outcome == "full":
         raise Busy(
             "backlog_full",
@@ -278,8 +285,8 @@ async def finish(
     jobs: JobStore, job: Job, record: ResultRecord, emitter: TokenStream | None, *, output_event: bool
 ) -> str | None:
     """FINISH a run: every token event in the stream first, then the record, once;
-    retried while Redis is away (both steps are idempotent), up to FINISH_GRACE_S past the
-    deadline. The record's JSON, or None when the run was no longer current."""
+    retried while Redis is away or full (both steps are idempotent), up to FINISH_GRACE_S
+    past the deadline. The record's JSON, or None when the run was no longer current."""
     deadline = max(job.deadline, time.time()) + FINISH_GRACE_S
     delay = 0.05
     while True:
@@ -296,8 +303,8 @@ async def finish(
             log.error("request %s: %s", job.request_id, exc)
             emitter = None  # the record holds the whole text
             continue
-        except REDIS_OUTAGE:
-            if time.time() > deadline:
+        except Exception as exc:
+            if not waits_for_redis(exc) or time.time() > deadline:
                 raise
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
@@ -344,6 +351,11 @@ async def read(jobs: JobStore, request_id: str) -> tuple[Job | None, str | None,
 async def load(jobs: JobStore, request_id: str) -> Job | None:
     """The request's state alone."""
     return await jobs.load(request_id)
+
+
+async def load_many(jobs: JobStore, request_ids: list[str]) -> list[Job | None]:
+    """The states of many requests, in one round trip (the sweeper's)."""
+    return await jobs.load_many(request_ids)
 
 
 async def standing(jobs: JobStore, request_id: str) -> QueueStanding | None:

@@ -83,7 +83,8 @@ async def create_key(body: NewKey, request: Request, who: Annotated[Caller, Depe
     manage(who, body.tenant)
     if body.role == "operator" and not who.operator:
         _operator_key(body.role)
-    info, key = await services(request).keys.create(body.tenant, body.role, body.name)
+    svc = services(request)
+    info, key = await svc.keys.create(body.tenant, body.role, body.name, max_keys=svc.settings.tenant_max_keys)
     return {**info.public(), "key": key}
 
 

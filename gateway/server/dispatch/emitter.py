@@ -8,8 +8,9 @@ reading its replica's responses while an event is in flight, and they accumulate
 next one. Each event carries the index of its first piece and how many it holds, so
 indexes stay exact for resuming clients.
 
-Every piece is kept until Redis has it. A write that fails (Redis away, or restarting)
-is tried again, with backoff, at the next piece and at the end, while the run goes on;
+Every piece is kept until Redis has it. A write that fails (Redis away, restarting, or
+full: it refuses writes at its maxmemory until results are stored and expire) is tried
+again, with backoff, at the next piece and at the end, while the run goes on;
 EMIT is idempotent by index, so a write replayed after a lost reply adds nothing, and a
 stream that holds fewer pieces than were sent (a Redis that lost its last writes) is
 refilled from where it stops ('gap'). The run's FINISH checks the count once more, so
@@ -23,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.common.redis import REDIS_OUTAGE
+from gateway.common.redis import waits_for_redis
 from gateway.server.dispatch.relay import TokenRelay
 from gateway.server.errors import LostPieces, StaleRun
 from gateway.server.models import Piece
@@ -81,11 +82,13 @@ class TokenEmitter:
                 try:
                     await self.flush(urgent=self.sent == self.first_index)  # the first event: at once
                     self._retry_s = 0.0
-                except REDIS_OUTAGE as exc:
+                except Exception as exc:
+                    if not waits_for_redis(exc):
+                        raise
                     self._retry_s = min(RETRY_MAX_S, max(RETRY_FIRST_S, self._retry_s * 2))
                     self._retry_at = time.monotonic() + self._retry_s
                     log.warning("request %s: token events wait for Redis (%s)", self.request_id, type(exc).__name__)
-        except (StaleRun, LostPieces) as exc:
+        except Exception as exc:  # StaleRun, LostPieces, or a fault: the run learns it at its next piece
             self._failed = exc
         finally:
             self._writing = None
@@ -151,8 +154,8 @@ class TokenEmitter:
             try:
                 await self.flush(urgent=True)
                 continue
-            except REDIS_OUTAGE:
-                if time.time() >= deadline:
+            except Exception as exc:
+                if not waits_for_redis(exc) or time.time() >= deadline:
                     raise
             await asyncio.sleep(delay)
             delay = min(RETRY_MAX_S, delay * 2)

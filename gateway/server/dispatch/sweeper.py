@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from gateway.common.redis import REDIS_OUTAGE
 from gateway.protocol import State
+from gateway.protocol.records import replica_name
 from gateway.server import spine
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.queue.jobs import JobStore
@@ -20,6 +21,9 @@ from gateway.server.replicas import ReplicaPool
 from gateway.server.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+# Requests past their deadline a shard's sweep ends at most at once.
+SWEEP_MOST = 200
 
 
 class Sweeper:
@@ -53,22 +57,40 @@ class Sweeper:
                 log.info("%d running requests of %s lost their dispatcher; they start again", reclaimed, shard.prefix)
         await self.expire_overdue()
         for replica in self.pool.replicas:
-            self.metrics.replica_healthy.labels(replica.url).set(1 if replica.healthy else 0)
-            self.metrics.inflight.labels(replica.url).set(replica.inflight)
+            # Labelled as records name replicas: /metrics may be public, the addresses are
+            # not (GET /admin/replicas maps names to addresses).
+            name = replica_name(replica.url)
+            self.metrics.replica_healthy.labels(name).set(1 if replica.healthy else 0)
+            self.metrics.inflight.labels(name).set(replica.inflight)
 
     async def expire_overdue(self) -> None:
+        """End the requests of each shard whose deadline passed: those due read in one round
+        trip, those that ended meanwhile dropped from the deadlines set in one command, the
+        rest expired together (their FINISHes share the group commit's calls)."""
         now = time.time()
         # Running requests get a grace period: their own dispatcher expires them first.
         grace = self.settings.claim_idle_ms / 1000
         for shard in self.jobs.shards:
-            for request_id in await self.redis.zrangebyscore(shard.deadlines, "-inf", now, start=0, num=200):
-                try:
-                    job = await spine.load(self.jobs, request_id)
-                    if job is None:
-                        await self.redis.zrem(shard.deadlines, request_id)
-                    elif job.state == State.QUEUED or (job.state == State.RUNNING and now > job.deadline + grace):
-                        await spine.expire(self.jobs, job)
-                    elif job.state.terminal:
-                        await self.redis.zrem(shard.deadlines, request_id)
-                except Exception as exc:  # one bad request must not stop the sweep of the others
-                    log.warning("expiring %s failed: %s", request_id, exc)
+            try:
+                due = await self.redis.zrangebyscore(shard.deadlines, "-inf", now, start=0, num=SWEEP_MOST)
+                if not due:
+                    continue
+                found = await spine.load_many(self.jobs, due)
+            except REDIS_OUTAGE as exc:  # that shard's Redis is away: sweep the others
+                log.warning("expiring in %s failed: %s", shard.prefix, type(exc).__name__)
+                continue
+            gone = [rid for rid, job in zip(due, found, strict=True) if job is None or job.state.terminal]
+            overdue = [
+                job
+                for job in found
+                if job is not None
+                and (job.state == State.QUEUED or (job.state == State.RUNNING and now > job.deadline + grace))
+            ]
+            outcomes = await asyncio.gather(
+                *(spine.expire(self.jobs, job) for job in overdue),
+                *([self.redis.zrem(shard.deadlines, *gone)] if gone else []),
+                return_exceptions=True,
+            )
+            for outcome in outcomes:
+                if isinstance(outcome, Exception):  # one bad request must not stop the sweep of the others
+                    log.warning("expiring in %s failed: %s", shard.prefix, outcome)

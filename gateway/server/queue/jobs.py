@@ -53,6 +53,8 @@ from gateway.server.queue import scripts
 log = logging.getLogger(__name__)
 
 # The `running` event of a request started by SUBMIT itself (its first attempt).
+# Payloads TAKE hands over at once that are parsed in a worker thread rather than on the loop.
+LONG_PAYLOADS_BYTES = 256 * 1024
 RUNNING_FIRST = json.dumps({"attempt": 1, "restarted": False, "resume_from": 0})
 # How long a dispatcher's last TAKE is remembered (a replay after a lost reply).
 TAKE_TOKEN_TTL_S = 60
@@ -524,14 +526,38 @@ class JobStore:
         if reply[0] != "run":
             return str(reply[0])
         runs = reply[1:]
-        return [
-            Job.from_hash(str(rid), dict(zip(fields[::2], fields[1::2], strict=True)), ids)
-            for rid, fields, ids in zip(runs[::3], runs[1::3], runs[2::3], strict=True)
-        ]
+
+        def jobs() -> list[Job]:
+            return [
+                Job.from_hash(str(rid), dict(zip(fields[::2], fields[1::2], strict=True)), ids)
+                for rid, fields, ids in zip(runs[::3], runs[1::3], runs[2::3], strict=True)
+            ]
+
+        # Up to `most` payloads of up to a body's size each: parsed in a worker thread when
+        # large, so the loop waits at most for one payload's parse (the thread lets go of
+        # the interpreter's lock between them), not for all of them.
+        if sum(len(value) for fields in runs[1::3] for value in fields) > LONG_PAYLOADS_BYTES:
+            return await asyncio.to_thread(jobs)
+        return jobs()
 
     async def load(self, request_id: str) -> Job | None:
         h = await self.redis.hgetall(shard_of(request_id).request(request_id))
         return Job.from_hash(request_id, h) if h else None
+
+    async def load_many(self, request_ids: list[str]) -> list[Job | None]:
+        """The jobs of these requests in one round trip (a pipeline of HGETALLs), parsed in a
+        worker thread when large (as take_many does)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.hgetall(shard_of(request_id).request(request_id))
+            found = await pipe.execute()
+
+        def jobs() -> list[Job | None]:
+            return [Job.from_hash(rid, h) if h else None for rid, h in zip(request_ids, found, strict=True)]
+
+        if sum(len(value) for h in found for value in h.values()) > LONG_PAYLOADS_BYTES:
+            return await asyncio.to_thread(jobs)
+        return jobs()
 
     async def read(self, request_id: str) -> tuple[Job | None, str | None, QueueStanding | None]:
         """The job with what goes with its state, read at one instant (one script): if it

@@ -14,6 +14,7 @@ gateway's other calls."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any
@@ -23,9 +24,11 @@ from limits import RateLimitItem, RateLimitItemPerMinute, WindowStats
 from limits.aio.storage import RedisClusterStorage, RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
-from gateway.common.redis import GroupCommit
+from gateway.common.redis import REDIS_OUTAGE, GroupCommit
 from gateway.server.errors import Busy, InvalidRequest
 from gateway.server.tenants.config import TenantConfig
+
+log = logging.getLogger(__name__)
 
 
 def _reset(reset_time: float) -> str:
@@ -141,6 +144,19 @@ class Quotas:
             return allowed, stats
         allowed = await self.limiter.hit(item, kind, tenant, cost=cost)
         return allowed, await self.limiter.get_window_stats(item, kind, tenant)
+
+    async def refund(self, config: TenantConfig, prompt_tokens: int) -> None:
+        """Give back what `admit` charged for a call that was then not accepted (its backlog
+        was full, too few replicas confirmed it): a refused call costs no quota. A negative
+        hit of the library's own sliding-window script lowers the current window's count."""
+        limits = config.effective
+        charges = [(limits.requests_per_minute, "rpm", 1), (limits.tokens_per_minute, "tpm", max(1, prompt_tokens))]
+        try:
+            for limit, kind, cost in charges:
+                if limit:
+                    await self.limiter.hit(RateLimitItemPerMinute(limit), kind, config.tenant, cost=-cost)
+        except REDIS_OUTAGE as exc:  # the refusal is answered all the same
+            log.warning("quota refund for %s failed: %s", config.tenant, type(exc).__name__)
 
     async def used_tokens(self, config: TenantConfig, tokens: int) -> None:
         """Charge the tokens a request used beyond what admission charged (its completion)."""
