@@ -329,7 +329,10 @@ async def test_results_mongodb_cannot_store_are_dead_lettered_with_their_reason_
         await _until(lambda: _stored(mongo, isolated["MONGO_DB"], normal.request_id), timeout=30)
         await _until(lambda: _dead_letters(redis, 2), timeout=10)
         await _until(lambda: _no_pending(isolated["REDIS_URL"]), timeout=10)
-        assert await _documents(mongo, isolated["MONGO_DB"]) == 1
+        # Each unstorable one is stored as failed in its place (result_unstorable).
+        await _until(lambda: _is(mongo, isolated["MONGO_DB"], 3), timeout=10)
+        failed = await mongo[isolated["MONGO_DB"]][RESULTS_COLLECTION].find_one({"_id": huge_int.request_id})
+        assert failed["status"] == "failed" and failed["error"]["code"] == "result_unstorable"
         async with httpx.AsyncClient(headers=AUTH, base_url=url, timeout=30) as client:
             listed = (await client.get("/dead-letters")).json()["dead_letters"]
             metrics = (await client.get("/metrics")).text
@@ -347,7 +350,9 @@ async def test_results_mongodb_cannot_store_are_dead_lettered_with_their_reason_
         await redis.aclose()
 
 
-async def test_a_result_that_cannot_be_stored_leaves_its_live_state_to_expire(stack, mongo, isolated) -> None:
+async def test_a_result_that_cannot_be_stored_leaves_its_live_state_to_expire_once_failed(
+    stack, mongo, isolated
+) -> None:
     process, _ = stack.start_binder("binder-live-state", LIVE_STATE_TTL_S="600", **isolated)
     redis = aioredis.from_url(isolated["REDIS_URL"], decode_responses=True)
     try:
@@ -361,9 +366,10 @@ async def test_a_result_that_cannot_be_stored_leaves_its_live_state_to_expire(st
         await _until(lambda: _dead_letters(redis, 1), timeout=30)
         await _until(lambda: _stored(mongo, isolated["MONGO_DB"], normal.request_id), timeout=30)
         for key in (shard.request(unstorable.request_id), shard.events(unstorable.request_id)):
-            # The expiry is given after the dead letter is written (StreamConsumer.on_dead_letter).
+            # Its failed record is stored in its place: RESULTS_KEEP_S after, as any other.
             await _until(lambda key=key: _has_ttl(redis, key), timeout=10)
-            assert 30 < await redis.ttl(key) <= 600  # LIVE_STATE_TTL_S: time to replay it
+            assert 0 < await redis.ttl(key) <= 600
+        assert await redis.hget(shard.request(unstorable.request_id), "state") == "failed"
         await _until(lambda: _has_ttl(redis, shard.request(normal.request_id)), timeout=10)
         for key in (shard.request(normal.request_id), shard.events(normal.request_id)):
             assert 0 < await redis.ttl(key) <= 30  # RESULTS_KEEP_S after it was stored

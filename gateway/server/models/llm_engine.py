@@ -32,6 +32,7 @@ Tools (OpenAI function definitions) are rendered into the prompt by the chat tem
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -43,6 +44,7 @@ from gateway.protocol import Usage
 from gateway.protocol.storable import StorableDict
 from gateway.server.llm.detokenizer import Detokenizer
 from gateway.server.llm.stops import StopMatcher
+from gateway.server.llm.tokenizer import _BYTE_LEVEL as BYTE_LEVEL
 from gateway.server.llm.tokenizer import ChatTemplateError, LlmTokenizer, word_list
 from gateway.server.models.base import (
     InvalidInput,
@@ -428,10 +430,19 @@ class EngineLlmAdapter(ModelAdapter):
 
     @functools.cached_property
     def longest_token_bytes(self) -> int:
-        """An upper bound on the bytes of any token: its vocabulary piece's UTF-8 length
-        (a byte-level piece has a character a byte; a SentencePiece one has its text, or
-        <0xAB> for one byte)."""
-        return max((len(piece.encode()) for piece in self.tokenizer.tokenizer.get_vocab()), default=1)
+        """An upper bound on the bytes of any token: a byte-level piece has a character a
+        byte; any other at most its piece's UTF-8 length (a SentencePiece one has its text,
+        or <0xAB> for one byte)."""
+        tokenizer = self.tokenizer.tokenizer
+        decoder = json.loads(tokenizer.decoder.__getstate__()).get("type") if tokenizer.decoder else None
+        byte_level = decoder == "ByteLevel"
+        return max(
+            (
+                len(piece) if byte_level and all(c in BYTE_LEVEL for c in piece) else len(piece.encode())
+                for piece in tokenizer.get_vocab()
+            ),
+            default=1,
+        )
 
     def _check_logprobs_fit(self, max_tokens: int, top: int) -> None:
         """422 logprobs_too_large where the log-probabilities could make the record more
