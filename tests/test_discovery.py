@@ -88,7 +88,8 @@ async def test_a_replica_added_behind_the_name_is_used_and_a_removed_one_dropped
 
 
 async def _has_gauges(client: httpx.AsyncClient, expected: dict[str, float]) -> bool:
-    return await _healthy_replicas(client) == expected
+    # The gauges name replicas as records do (replica_name), never by address.
+    return await _healthy_replicas(client) == {replica_name(url): value for url, value in expected.items()}
 
 
 async def test_a_failed_resolution_keeps_the_known_replicas() -> None:

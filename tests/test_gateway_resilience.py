@@ -88,7 +88,7 @@ async def test_traffic_reaches_both_replicas(two_replicas) -> None:
 
 
 async def _has_both(client, replicas) -> bool:
-    return set(await _ready_replicas(client)) == {replicas["first"], replicas["second"]}
+    return set(await _ready_replicas(client)) == {replica_name(replicas["first"]), replica_name(replicas["second"])}
 
 
 async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(stack, two_replicas) -> None:
@@ -127,7 +127,7 @@ async def test_stopping_a_replica_mid_run_loses_nothing_and_it_is_readmitted(sta
 
 
 async def _only(client, replica: str) -> bool:
-    return await _ready_replicas(client) == [replica]
+    return await _ready_replicas(client) == [replica_name(replica)]
 
 
 async def _busy(client: httpx.AsyncClient, replica: str) -> bool:

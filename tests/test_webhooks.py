@@ -475,7 +475,7 @@ def test_nat64_counts_as_its_embedded_ipv4_and_6to4_teredo_and_multicast_are_ref
         "::7f00:1": "not a public address",
     }
     for address, why in refused.items():
-        assert why in (guard.refusal("x", ip_address(address), 443) or ""), address
+        assert why in (guard.refusal(address, ip_address(address), 443) or ""), address
 
 
 def test_allowlist_entries_with_a_port_allow_only_that_port() -> None:

@@ -195,9 +195,12 @@ class AddressGuard:
         if any(entry.matches(host, address, port) for entry in self.entries):
             return None
         why = address_refusal(address)
+        if why and host == str(address):
+            return f"{host} is {why}"
         if why:
-            named = host if host == str(address) else f"{host} resolves to {address}, which"
-            return f"{named} is {why}"
+            # The refusal is recorded where the tenant reads it: never what an internal name
+            # resolves to (the address, or one embedded in it), nor what kind of address it is.
+            return f"{host} resolves to an address that is refused (not a public address, and not allow-listed)"
         if port not in self.public_ports:
             allowed = ", ".join(str(p) for p in sorted(self.public_ports))
             return f"port {port} is not allowed (only {allowed} unless allow-listed)"

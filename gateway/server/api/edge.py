@@ -44,6 +44,14 @@ if TYPE_CHECKING:
 
 access_log = logging.getLogger("gateway.access")
 
+
+def loggable_path(scope: Scope) -> str:
+    """The path as the client sent it (still percent-encoded), with any byte outside
+    printable ASCII escaped: a decoded %0A would start a forged line in the console log."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    return raw.decode("latin-1").encode("unicode_escape").decode("ascii")
+
+
 QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 UNMATCHED_ROUTE = "unmatched"
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -200,7 +208,7 @@ class Edge:
             level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
             if access_log.isEnabledFor(level):
                 elapsed_ms = (time.perf_counter() - started) * 1000
-                access_log.log(level, "%s %s %d %.1fms", method, path, status, elapsed_ms)
+                access_log.log(level, "%s %s %d %.1fms", method, loggable_path(scope), status, elapsed_ms)
             clear_request_ids()
             reset()
 

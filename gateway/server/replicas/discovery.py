@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
+from gateway.protocol.records import replica_name
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.replicas.pool import ReplicaPool
 from gateway.server.settings import GatewaySettings
@@ -120,7 +121,7 @@ class ReplicaDiscovery:
             for url in self._labelled - present:
                 for gauge in (self.metrics.replica_healthy, self.metrics.inflight):
                     try:
-                        gauge.remove(url)
+                        gauge.remove(replica_name(url))  # the sweeper's label
                     except KeyError:  # never labelled (closed before a sweep saw it)
                         pass
         self._labelled = present
