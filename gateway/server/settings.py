@@ -76,6 +76,17 @@ class GatewaySettings(ServiceSettings):
     # together (a batch over it fails at validation, `batch_lines_quota_exceeded`).
     tenant_max_active_batches: int = Field(default=100, ge=0)
     tenant_max_batch_lines: int = Field(default=500_000, ge=0)
+    # Conversations (/v1/conversations): the items one holds and their bytes (JSON; a
+    # response made in it counts its input items and one item for its output), 400
+    # conversation_items_limit / conversation_bytes_limit beyond. A response in a
+    # conversation is refused (conversation_bytes_limit) when everything it would be given
+    # (outputs included) comes to more than the bytes limit.
+    conversation_max_items: int = Field(default=1000, ge=0)
+    conversation_max_bytes: int = Field(default=8 * 1024 * 1024, ge=0)
+    # A previous_response_id chain: the responses it holds and the bytes of their items
+    # (400 response_chain_too_long / response_chain_too_large beyond).
+    response_chain_max: int = Field(default=100, ge=1)
+    response_chain_max_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     # API keys not revoked (403 beyond).
     tenant_max_keys: int = Field(default=100, ge=0)
 

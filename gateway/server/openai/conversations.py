@@ -8,7 +8,15 @@ whose input and output items are its items too, read from the responses as they 
 (so a response that ends on any gateway, or after a restart, is in it). A response in a
 conversation is given the conversation's items before its own input. Items are text
 messages, function calls and their outputs, as on /v1/responses (other types are refused
-by their type)."""
+by their type).
+
+Bounds (response_store.ConversationStore): a conversation holds at most
+CONVERSATION_MAX_ITEMS items and CONVERSATION_MAX_BYTES bytes (400
+conversation_items_limit / conversation_bytes_limit beyond); a call that adds items counts
+as one request against the tenant's requests per minute (429 beyond); it and its items
+expire RESULT_RETENTION_S after it last changed, a response's items with the response
+(then they are no longer in it). Lists and lookups read from MongoDB only the entries
+they need (by position, by item id), never the whole conversation."""
 
 from __future__ import annotations
 
@@ -21,8 +29,15 @@ from pydantic import Field
 
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.openai.response_store import ConversationStore
-from gateway.server.openai.responses import check_include, conversation_items, conversation_of, items_of, with_ids
+from gateway.server.openai.response_store import ConversationStore, item_entry
+from gateway.server.openai.responses import (
+    check_include,
+    conversation_of,
+    conversation_page,
+    entry_of,
+    items_of,
+    with_ids,
+)
 from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported
 from gateway.server.services import services
 
@@ -55,9 +70,12 @@ def _object(document: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _add(request: Request, who: Caller, conversation: str, given: list[Any]) -> list[dict[str, Any]]:
-    """Add items (as given, ids derived where none is given); the items as kept."""
+    """Add items (as given, ids derived where none is given), counted as one request
+    against the tenant's requests per minute; the items as kept."""
+    svc = services(request)
     items = with_ids(items_of(given, param="items"), secrets.token_hex(16))
-    await ConversationStore(services(request)).append(who.scope, conversation, [{"item": item} for item in items])
+    who.headers |= await svc.quotas.admit(who.config, 1)
+    await ConversationStore(svc).append(who.scope, conversation, [item_entry(item) for item in items])
     return items
 
 
@@ -130,15 +148,8 @@ async def list_items(
     svc = services(request)
     check_include(request)
     await conversation_of(svc, who, conversation)
-    items = [item for _, item in await conversation_items(svc, who, conversation)]
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise ApiError(400, "invalid_request", f"no item {after} in {conversation}", details={"param": "after"})
-        items = items[ids.index(after) + 1 :]
-    return JSONResponse(_page(items[:limit], len(items) > limit))
+    page, more = await conversation_page(svc, who, conversation, limit=limit, after=after, descending=order == "desc")
+    return JSONResponse(_page(page, more))
 
 
 Found = tuple[dict[str, Any], dict[str, Any]]  # (its entry, the item)
@@ -147,10 +158,11 @@ Found = tuple[dict[str, Any], dict[str, Any]]  # (its entry, the item)
 async def _find(request: Request, who: Caller, conversation: str, item_id: str) -> Found:
     svc = services(request)
     await conversation_of(svc, who, conversation)
-    for entry, item in await conversation_items(svc, who, conversation):
-        if item.get("id") == item_id:
-            return entry, item
-    raise ApiError(404, "not_found", f"no item {item_id} in {conversation}")
+    found = await entry_of(svc, who, conversation, item_id)
+    if found is None:
+        raise ApiError(404, "not_found", f"no item {item_id} in {conversation}")
+    entry, items = found
+    return entry, next(item for item in items if item.get("id") == item_id)
 
 
 @router.get("/conversations/{conversation}/items/{item}", summary="Get an item of a conversation")

@@ -40,7 +40,7 @@ import copy
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sse_starlette import ServerSentEvent
 
+from gateway.common.result_store import record_from_document
 from gateway.protocol import ResultRecord, State, request_id_time, valid_request_id
 from gateway.protocol.http import InferRequest, LiveStatus
 from gateway.server import spine
@@ -57,7 +58,12 @@ from gateway.server.api.tenancy import Caller, caller
 from gateway.server.llm import tools as toolcalls
 from gateway.server.openai import common
 from gateway.server.openai.chat import ChatPlan, parameters
-from gateway.server.openai.response_store import MAX_CHAIN, ConversationStore, ResponseStore
+from gateway.server.openai.response_store import (
+    ConversationStore,
+    ResponseStore,
+    item_bytes,
+    response_entry,
+)
 from gateway.server.openai.schemas import (
     INCLUDE_LOGPROBS,
     RESPONSE_TEXT_PARTS,
@@ -660,8 +666,10 @@ class Call:
         settings: ResponseSettings,
         items: list[dict[str, Any]],
         chain: list[str],
+        context_bytes: int = 0,
     ) -> None:
         self.native, self.settings, self.items, self.chain = native, settings, items, chain
+        self.context_bytes = context_bytes  # the bytes of the items given before its own
 
 
 async def response_call(body: ResponseRequest, svc: Services, who: Caller) -> Call:
@@ -692,7 +700,7 @@ async def response_call(body: ResponseRequest, svc: Services, who: Caller) -> Ca
         if not settings.store:
             raise _invalid("store", "a response in a conversation is kept with it: it needs store: true")
         await conversation_of(svc, who, settings.conversation, "conversation")
-        context = [item for _, item in await conversation_items(svc, who, settings.conversation)]
+        context = await conversation_items(svc, who, settings.conversation)
     if not items and not context:
         raise _invalid("input", "input must not be empty")
     messages = chat_messages(context + items)
@@ -739,10 +747,39 @@ async def response_call(body: ResponseRequest, svc: Services, who: Caller) -> Ca
         priority=run_as.priority,
         timeout_s=common.timeout_for(svc, run_as),
     )
-    return Call(request, settings, items, chain)
+    return Call(request, settings, items, chain, sum(item_bytes(item) for item in context))
 
 
 # -- the chain of stored responses --------------------------------------------------------------
+
+# Responses (or conversation entries) read from MongoDB at a time while their items are
+# gathered: what is held is bounded by the bytes limit and one batch.
+_BATCH = 16
+
+
+class _Budget:
+    """The bytes of the items gathered so far, against a limit (0: none)."""
+
+    def __init__(self, most: int, over: Callable[[int], ApiError], used: int = 0) -> None:
+        self.most, self.over, self.used = most, over, used
+
+    def take(self, items: list[dict[str, Any]]) -> None:
+        self.used += sum(item_bytes(item) for item in items)
+        self.check()
+
+    def check(self) -> None:
+        if self.most and self.used > self.most:
+            raise self.over(self.most)
+
+
+def _chain_too_large(most: int) -> ApiError:
+    return ApiError(
+        400,
+        "response_chain_too_large",
+        f"the items of the previous_response_id chain come to more than {most} bytes (RESPONSE_CHAIN_MAX_BYTES): "
+        "start a new chain, giving the items that matter as input",
+        details={"param": "previous_response_id", "limit": "response_chain_max_bytes", "max": most},
+    )
 
 
 def _not_found(previous: str, why: str = "not found") -> ApiError:
@@ -755,7 +792,10 @@ def _not_found(previous: str, why: str = "not found") -> ApiError:
 
 
 async def _continued(svc: Services, who: Caller, previous: str) -> tuple[list[str], list[dict[str, Any]]]:
-    """The chain a response continuing `previous` has, and the items it was given and gave."""
+    """The chain a response continuing `previous` has, and the items it was given and gave
+    (at most RESPONSE_CHAIN_MAX responses and RESPONSE_CHAIN_MAX_BYTES of items: refused
+    by name beyond, before the chain is read where the previous response says how much
+    it was given)."""
     if not valid_request_id(previous.removeprefix("resp_")):
         raise _not_found(previous)
     store = ResponseStore(svc)
@@ -763,8 +803,19 @@ async def _continued(svc: Services, who: Caller, previous: str) -> tuple[list[st
     if document is None or document.get("deleted"):
         raise _not_found(previous, "was deleted" if document else "not found (or created with store: false)")
     chain = [*document.get("chain", []), previous]
-    if len(chain) > MAX_CHAIN:
-        raise _invalid("previous_response_id", f"a chain holds at most {MAX_CHAIN} responses")
+    most = svc.settings.response_chain_max
+    if len(chain) > most:
+        raise ApiError(
+            400,
+            "response_chain_too_long",
+            f"a previous_response_id chain holds at most {most} responses (RESPONSE_CHAIN_MAX): "
+            "start a new chain, giving the items that matter as input",
+            details={"param": "previous_response_id", "limit": "response_chain_max", "max": most},
+        )
+    given = document.get("context_bytes")
+    if given is not None:
+        known = int(given) + sum(item_bytes(item) for item in document.get("input", []))
+        _Budget(svc.settings.response_chain_max_bytes, _chain_too_large, known).check()
     outcome = await svc.results.get(request_id_of(previous), who.scope)
     if not outcome.status.terminal:
         raise ApiError(
@@ -773,30 +824,68 @@ async def _continued(svc: Services, who: Caller, previous: str) -> tuple[list[st
             f"previous response {previous} is still {_STATUS[outcome.status]}: continue it once it has ended",
             details={"param": "previous_response_id"},
         )
-    documents = await store.get_many(who.scope, chain[:-1])
-    documents[previous] = document
-    return chain, await _chain_items(svc, who, chain, documents)
+    return chain, await _chain_items(svc, who, chain, {previous: document})
+
+
+async def _records(svc: Services, who: Caller, request_ids: list[str]) -> dict[str, ResultRecord]:
+    """The records of these requests without their inputs: a response's record holds every
+    item it was given, so reading them whole would read a chain's (or a conversation's)
+    items again for each response in it. Those not in MongoDB yet are read as the results
+    reader finds them."""
+    if not request_ids:
+        return {}
+    found: dict[str, ResultRecord] = {}
+    query = {"_id": {"$in": request_ids}, "tenant": who.scope}
+    async for document in svc.store.collection.find(query, {"inputs": 0}):
+        record = record_from_document(document)
+        found[record.request_id] = record
+    missing = [request_id for request_id in request_ids if request_id not in found]
+    if missing:
+        found |= await svc.results.get_many(missing, who.scope)
+    return found
+
+
+def _response_items(
+    svc: Services, response: str, document: dict[str, Any], records: dict[str, ResultRecord]
+) -> list[dict[str, Any]]:
+    """A kept response's input items, then its output items once it has ended."""
+    items = list(document.get("input", []))
+    record = records.get(request_id_of(response))
+    if record is not None:
+        settings = ResponseSettings.model_validate(document.get("settings") or {})
+        items += output_of(record, settings, common.tool_format(svc, record.model)).items
+    return items
 
 
 async def _chain_items(
-    svc: Services, who: Caller, chain: list[str], documents: dict[str, dict[str, Any]]
+    svc: Services, who: Caller, chain: list[str], known: dict[str, dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
-    """Each response's input items then its output items, along the chain."""
-    records = await svc.results.get_many([request_id_of(r) for r in chain], who.scope)
+    """Each response's input items then its output items, along the chain: read _BATCH
+    responses at a time, refused (response_chain_too_large) once they come to more than
+    RESPONSE_CHAIN_MAX_BYTES."""
+    known = known or {}
+    budget = _Budget(svc.settings.response_chain_max_bytes, _chain_too_large)
     items: list[dict[str, Any]] = []
-    for response in chain:
-        document = documents.get(response)
-        if document is None or document.get("deleted"):
-            raise _not_found(response, "(in the chain of previous_response_id) was deleted")
-        items += document.get("input", [])
-        record = records.get(request_id_of(response))
-        if record is not None:
-            settings = ResponseSettings.model_validate(document.get("settings") or {})
-            items += output_of(record, settings, common.tool_format(svc, record.model)).items
+    for start in range(0, len(chain), _BATCH):
+        batch = chain[start : start + _BATCH]
+        documents = await ResponseStore(svc).get_many(who.scope, [r for r in batch if r not in known])
+        documents |= {r: known[r] for r in batch if r in known}
+        records = await _records(svc, who, [request_id_of(r) for r in batch])
+        for response in batch:
+            document = documents.get(response)
+            if document is None or document.get("deleted"):
+                raise _not_found(response, "(in the chain of previous_response_id) was deleted")
+            found = _response_items(svc, response, document, records)
+            budget.take(found)
+            items += found
     return items
 
 
 # -- conversations ----------------------------------------------------------------------------
+#
+# A response in a conversation whose document is gone (it expired, RESULT_RETENTION_S after
+# it was made) or was deleted is no longer in the conversation: its items are not listed,
+# found or given to later responses.
 
 
 async def conversation_of(svc: Services, who: Caller, conversation: str, param: str | None = None) -> dict[str, Any]:
@@ -808,33 +897,113 @@ async def conversation_of(svc: Services, who: Caller, conversation: str, param: 
     return found
 
 
-async def conversation_items(
-    svc: Services, who: Caller, conversation: str, before: str | None = None
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """A conversation's items in order, each with its entry: the items added to it, and
-    the input and output items of the responses made in it (those before entry `before`)."""
-    entries = await ConversationStore(svc).list(who.scope, conversation)
-    if before is not None:
-        entries = [entry for entry in entries if entry["_id"] < before]
+Expanded = list[tuple[dict[str, Any], list[dict[str, Any]]]]
+
+
+async def _expand(svc: Services, who: Caller, entries: list[dict[str, Any]]) -> Expanded:
+    """Each entry with its items in order (those hidden left out): an added item, or the
+    items of a response (none once it has expired or was deleted). An added item read
+    without its content stands as its entry's ids."""
     responses = [str(entry["response"]) for entry in entries if "response" in entry]
     documents = await ResponseStore(svc).get_many(who.scope, responses)
-    records = await svc.results.get_many([request_id_of(r) for r in responses], who.scope)
-    found: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    records = await _records(svc, who, [request_id_of(r) for r in responses])
+    found: Expanded = []
     for entry in entries:
         hidden = set(entry.get("hidden", []))
-        if "item" in entry:
-            items = [entry["item"]]
-        else:
+        if "response" in entry:
             document = documents.get(entry["response"])
-            if document is None or document.get("deleted"):
-                continue
-            items = list(document.get("input", []))
-            record = records.get(request_id_of(entry["response"]))
-            if record is not None:
-                settings = ResponseSettings.model_validate(document.get("settings") or {})
-                items += output_of(record, settings, common.tool_format(svc, record.model)).items
-        found += [(entry, item) for item in items if item.get("id") not in hidden]
+            gone = document is None or document.get("deleted")
+            items = [] if gone else _response_items(svc, entry["response"], document or {}, records)
+        else:
+            items = [entry["item"]] if "item" in entry else [{"id": i} for i in entry.get("ids", [])]
+        found.append((entry, [item for item in items if item.get("id") not in hidden]))
     return found
+
+
+def _conversation_too_large(conversation: str) -> Callable[[int], ApiError]:
+    def over(most: int) -> ApiError:
+        return ApiError(
+            400,
+            "conversation_bytes_limit",
+            f"the items of conversation {conversation}, its responses' outputs included, come to more than "
+            f"{most} bytes (CONVERSATION_MAX_BYTES): delete items, or start a new conversation",
+            details={"param": "conversation", "limit": "conversation_max_bytes", "max": most},
+        )
+
+    return over
+
+
+async def conversation_items(
+    svc: Services, who: Caller, conversation: str, before: str | None = None
+) -> list[dict[str, Any]]:
+    """A conversation's items in order (those before entry `before`, an entry's id), as a
+    response is given them: read _BATCH entries at a time, refused
+    (conversation_bytes_limit) once they come to more than CONVERSATION_MAX_BYTES."""
+    store = ConversationStore(svc)
+    budget = _Budget(svc.settings.conversation_max_bytes, _conversation_too_large(conversation))
+    below = before.partition(":")[2] if before else None
+    position: str | None = None
+    found: list[dict[str, Any]] = []
+    while True:
+        entries = await store.page(who.scope, conversation, after=position, before=below, limit=_BATCH)
+        for _, items in await _expand(svc, who, entries):
+            budget.take(items)
+            found += items
+        if len(entries) < _BATCH:
+            return found
+        position = entries[-1]["position"]
+
+
+async def conversation_page(
+    svc: Services, who: Caller, conversation: str, *, limit: int, after: str | None, descending: bool
+) -> tuple[list[dict[str, Any]], bool]:
+    """A page of a conversation's items (newest first when descending), those after item
+    `after`; and whether more follow. The entries are read in MongoDB's order of
+    position, as many as the page needs; whether more follow is read without the content
+    of the items added."""
+    store = ConversationStore(svc)
+    page: list[dict[str, Any]] = []
+    position: str | None = None
+    if after is not None:
+        found = await entry_of(svc, who, conversation, after)
+        if found is None:
+            raise _invalid("after", f"no item {after} in {conversation}")
+        entry, items = found
+        ordered = items[::-1] if descending else items
+        page = ordered[[item.get("id") for item in ordered].index(after) + 1 :]
+        position = entry["position"]
+    while len(page) <= limit:
+        peek = len(page) == limit  # the page is full: only whether another item follows
+        want = 4 if peek else limit - len(page)
+        entries = await store.page(
+            who.scope, conversation, after=position, descending=descending, limit=want, without_items=peek
+        )
+        for _, items in await _expand(svc, who, entries):
+            page += items[::-1] if descending else items
+        if len(entries) < want:
+            break
+        position = entries[-1]["position"]
+    return page[:limit], len(page) > limit
+
+
+async def entry_of(
+    svc: Services, who: Caller, conversation: str, item_id: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The entry holding item `item_id` and its items (None: no such item): found by the
+    ids the entry keeps, or, for a function call a response made, by the ids its calls
+    have."""
+    store = ConversationStore(svc)
+    entry = await store.entry_holding(who.scope, conversation, item_id)
+    if entry is None and item_id.startswith("fc_"):
+        for candidate in await store.entries_with_calls(who.scope, conversation):
+            request_id = request_id_of(str(candidate["response"]))
+            if any(_function_call_id(request_id, n) == item_id for n in range(int(candidate["calls"]))):
+                entry = candidate
+                break
+    if entry is None:
+        return None
+    ((_, items),) = await _expand(svc, who, [entry])
+    return (entry, items) if any(item.get("id") == item_id for item in items) else None
 
 
 async def _kept(svc: Services, who: Caller, response: str) -> dict[str, Any] | None:
@@ -949,15 +1118,18 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
     store = ResponseStore(svc)
     # (An Idempotency-Key's replay names a response already kept: it is not kept again.)
     if settings.store and await store.get(who.scope, response_id(request_id)) is None:
+        given = with_ids(call.items, request_id)
         document = {
             "model": body.model,
             "settings": settings.model_dump(),
-            "input": with_ids(call.items, request_id),
+            "input": given,
             "chain": call.chain,
+            "context_bytes": call.context_bytes,
         }
         try:
             if settings.conversation:
-                entry = {"response": response_id(request_id)}
+                calls = settings.max_calls if settings.tools else 0
+                entry = response_entry(response_id(request_id), given, f"msg_{request_id}", calls)
                 (document["position"],) = await ConversationStore(svc).append(who.scope, settings.conversation, [entry])
             await store.put(who.scope, response_id(request_id), document)
         except Exception:
@@ -1040,13 +1212,10 @@ async def list_input_items(
     document = await _kept(svc, who, response)
     if document is None:
         raise ApiError(404, "not_found", f"the input items of {response} were not kept")
-    chain = list(document.get("chain", []))
-    documents = await ResponseStore(svc).get_many(who.scope, chain)
-    items = await _chain_items(svc, who, chain, documents) + list(document.get("input", []))
+    items = await _chain_items(svc, who, list(document.get("chain", []))) + list(document.get("input", []))
     conversation = (document.get("settings") or {}).get("conversation")
     if conversation and await ConversationStore(svc).get(who.scope, conversation) is not None:
-        before = await conversation_items(svc, who, conversation, document.get("position"))
-        items = [item for _, item in before] + items
+        items = await conversation_items(svc, who, conversation, document.get("position")) + items
     if order == "desc":
         items.reverse()
     if after is not None:
