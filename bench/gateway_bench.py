@@ -21,6 +21,10 @@ Sections (--sections, comma separated; open,closed,ttft,v1,relay by default):
            counted (none may be lost).
   llm      real generation with the `llm` model at 1, 8, 32, 128 concurrent streams
            (--llm-streams): TTFT, tokens/s and end-to-end time, direct vs gateway.
+  many     many-input embeddings calls: /v1/embeddings of --many-inputs texts per call
+           (one request each), base64 and float answers, --many-clients concurrent
+           calls, against the same texts straight to Triton in calls of max_batch_size;
+           the gateway's CPU per call and per input (the target: 30 µs an input at 64).
 
 Every gateway row also reports the gateway's CPU per request (or per relayed token):
 the change of utime + stime of the gateway processes (found by the port they listen
@@ -38,6 +42,7 @@ load is spread over them in turn.
 Run:  .venv/bin/python -m bench.gateway_bench            (starts its own local stack)
       .venv/bin/python -m bench.gateway_bench --rates 50,200 --slice 4 --rounds 2 --clients 64
       .venv/bin/python -m bench.gateway_bench --sections relay --streams 200
+      .venv/bin/python -m bench.gateway_bench --sections many --many-inputs 64 --many-clients 4
       .venv/bin/python -m bench.gateway_bench --gateway-url http://127.0.0.1:8080 --triton-url 127.0.0.1:8001 \
           --api-key "$(cat .stack/api_key)" --tokenizer-dir .stack/models/SmolLM2-135M-Instruct
 """
@@ -71,7 +76,7 @@ from gateway.server.models import ModelAdapter
 from gateway.server.models.registry import LOCAL_PROFILE, build_adapter
 
 SECTIONS = ("open", "closed", "ttft", "v1", "relay")
-ALL_SECTIONS = (*SECTIONS, "llm")
+ALL_SECTIONS = (*SECTIONS, "llm", "many")
 STREAM_MODEL = "llm_synthetic"  # the engine contract with no compute: 20 ms per token
 
 STREAM_INPUTS: dict[str, Any] = {"text_input": "Hello world, the gateway", "max_tokens": 32}
@@ -599,6 +604,71 @@ async def section_v1(args: argparse.Namespace, http: Gateways) -> list[str]:
     return lines
 
 
+MANY_MODEL = "text_embed"
+
+
+def many_texts(count: int) -> list[str]:
+    """Sentences of a RAG ingestion's chunk size (~20 tokens), each its own."""
+    line = "the harbour master logged {} ships and a storm front moving in from the west"
+    return [f"Passage {i}: " + line.format(i % 7) for i in range(count)]
+
+
+def many_call(http: Gateways, texts: list[str], encoding: str) -> Call:
+    body = {"model": MANY_MODEL, "input": texts, "encoding_format": encoding}
+
+    async def call() -> None:
+        async with http.next().post("/v1/embeddings", json=body) as response:
+            answer = await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{response.status} {answer[:160]!r}")
+
+    return call
+
+
+def many_direct_call(triton: triton_aio.InferenceServerClient, texts: list[str], max_batch: int) -> Call:
+    async def call() -> None:
+        for start in range(0, len(texts), max_batch):
+            chunk = texts[start : start + max_batch]
+            batch = triton_aio.InferInput("text", [len(chunk), 1], "BYTES")
+            batch.set_data_from_numpy(np.array([[t.encode()] for t in chunk], dtype=np.object_))
+            await triton.infer(MANY_MODEL, [batch], outputs=[triton_aio.InferRequestedOutput("embedding")])
+
+    return call
+
+
+async def section_many(args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http: Gateways) -> list[str]:
+    """Many-input /v1/embeddings calls (one request each): the gateway's CPU per input."""
+    texts = many_texts(args.many_inputs)
+    config = await triton.get_model_config(MANY_MODEL, as_json=True)
+    max_batch = max(1, int(config.get("config", {}).get("max_batch_size", 1)))
+    calls = {
+        "direct": many_direct_call(triton, texts, max_batch),
+        "v1 base64": many_call(http, texts, "base64"),
+        "v1 float": many_call(http, texts, "float"),
+    }
+    for call in calls.values():  # warm up every path
+        await closed_loop(call, 2, 1, lambda: 0.0)
+    totals = {mode: Samples() for mode in calls}
+    for _ in range(args.rounds):
+        for mode, call in calls.items():
+            cpu = http.cpu_seconds if mode != "direct" else (lambda: 0.0)
+            totals[mode].add(await closed_loop(call, args.many_clients, args.slice, cpu))
+    lines = [
+        f"Many-input calls, `{MANY_MODEL}`, {args.many_inputs} inputs a call (Triton's max_batch_size "
+        f"{max_batch}), {args.many_clients} concurrent calls, {args.rounds} x {args.slice:g} s per mode:",
+        "",
+        row("mode", "calls", "errors", "calls/s", "inputs/s", "p50 ms", "p99 ms", "gateway CPU ms/call",
+            "gateway CPU µs/input"),
+        row(*["---"] * 9),
+    ]  # fmt: skip
+    for mode, s in totals.items():
+        per_input = f"{s.cpu_s * 1e6 / (s.served * args.many_inputs):.1f}" if s.served and s.cpu_s else ""
+        lines.append(row(mode, len(s.latencies), sum(s.errors.values()), f"{s.rate:.1f}",
+                         f"{s.rate * args.many_inputs:.0f}", f"{s.pct(50):.1f}", f"{s.pct(99):.1f}",
+                         s.cpu_ms(), per_input))  # fmt: skip
+    return lines + error_lines(totals)
+
+
 async def _streams(start: Callable[[], Awaitable[StreamTrace]], count: int) -> tuple[list[StreamTrace], float, Counter]:
     began = time.perf_counter()
     traces = await asyncio.gather(*(start() for _ in range(count)), return_exceptions=True)
@@ -751,6 +821,8 @@ async def run(
                 report += await section_relay(args, triton, http)
             elif section == "llm":
                 report += await section_llm(args, triton, http)
+            elif section == "many":
+                report += await section_many(args, triton, http)
             report.append("")
             print("\n".join(report[printed:]), flush=True)  # each section as it ends: partial results survive
             printed = len(report)
@@ -806,6 +878,8 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=100)
     parser.add_argument("--llm-streams", default="1,8,32,128", help="concurrent streams for the llm section")
     parser.add_argument("--llm-tokens", type=int, default=64)
+    parser.add_argument("--many-inputs", type=int, default=64, help="inputs per call of the many section")
+    parser.add_argument("--many-clients", type=int, default=4, help="concurrent calls of the many section")
     parser.add_argument("--model", default="clip_text", choices=sorted(INPUTS))
     parser.add_argument("--image-format", default="png", choices=("png", "jpeg"), help="clip_image's picture")
     parser.add_argument("--workers", type=int, default=1, help="gateway processes of the stack it starts")

@@ -96,3 +96,20 @@ async def test_a_redis_outage_does_not_eject_the_triton_replica(redis_and_gatewa
     assert [(r["url"], r["generation"], r["healthy"]) for r in after] == [
         (r["url"], r["generation"], True) for r in before
     ]
+
+
+async def test_an_sse_client_without_resume_logic_keeps_its_stream_through_a_redis_restart(redis_and_gateway) -> None:
+    redis, _, gateway_url = redis_and_gateway
+    async with httpx.AsyncClient(headers=AUTH, base_url=gateway_url, timeout=120) as client:
+        ahead = [await submit(client, STREAM) for _ in range(40)]
+        followed = await submit(client, {**STREAM, "inputs": {"text_input": "the last one", "max_tokens": 10}})
+        reading = asyncio.create_task(read_events(client, followed))  # one connection, never resumed
+
+        # 40 streams of 3 s ahead of it, 32 at a time in this gateway: it waits its turn.
+        assert (await client.get(f"/results/{followed}")).json()["status"] == "queued"
+        await _kill_and_restart(redis, down_s=1.5)  # its stream reads its place in line meanwhile
+        events = await asyncio.wait_for(reading, timeout=120)
+        await wait_all(client, ahead, timeout=120)
+    kinds = [event["event"] for event in events]
+    assert kinds[-1] == "completed", kinds
+    assert "error" not in kinds

@@ -1016,3 +1016,15 @@ async def test_the_sweep_reads_a_shards_overdue_requests_in_one_round_trip_and_e
     await sweeper.expire_overdue()
     assert {job.state for job in await store.load_many([r.request_id for r in overdue])} == {State.EXPIRED}
     assert await store.redis.zcard(SHARD.deadlines) == 0
+
+
+async def test_the_live_gateways_are_counted_and_a_stale_or_stopped_one_is_not(store: JobStore) -> None:
+    from gateway.server.routing.load import GatewayPresence
+
+    one, two = GatewayPresence(store.redis, "gw-1"), GatewayPresence(store.redis, "gw-2", fresh_s=30)
+    assert await one.count() == 1
+    assert await two.count() == 2
+    await store.redis.zadd("gateways", {"gw-gone": time.time() - 60})  # stopped saying so a minute ago
+    assert await two.count() == 2
+    await one.leave()
+    assert await two.count() == 1

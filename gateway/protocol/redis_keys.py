@@ -32,7 +32,9 @@ Per shard (prefix `{sN}:`):
 
 `{wh}:` holds the webhook deliveries queued before they moved into the shards (senders
 still drain it; nothing new goes there). Everywhere else: the pub/sub channels
-(cluster-wide), usage, rate limits and the routing prefix index (single-key operations)."""
+(cluster-wide), usage, rate limits, the routing prefix index and `gateways` (the live
+gateway processes, a sorted set by when each last said so: they split an engine's free
+capacity) (single-key operations)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from gateway.protocol.ids import MAX_SHARDS, request_id_shard
 
 BANDS = ("high", "normal", "low", "batch")  # served in this order
+GATEWAYS_KEY = "gateways"  # the live gateway processes (gateway.server.routing.load.GatewayPresence)
 
 # -- pub/sub (cluster-wide) ---------------------------------------------------------------
 DONE_CHANNEL = "done"  # '<id> <id> ...': requests a FINISH ended (each record is in its results entry)

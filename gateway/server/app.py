@@ -48,7 +48,7 @@ from gateway.server.replicas.discovery import replica_discovery
 from gateway.server.results.events import EventHub
 from gateway.server.results.notifier import CompletionNotifier
 from gateway.server.results.reader import ResultReader
-from gateway.server.routing.load import LoadTracker
+from gateway.server.routing.load import GatewayPresence, LoadTracker
 from gateway.server.routing.prefix_index import PrefixIndex
 from gateway.server.routing.router import Router, RoutingSettings
 from gateway.server.search.binders import BinderClient
@@ -203,7 +203,14 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             task.add_done_callback(side_tasks.discard)
 
         index = PrefixIndex(redis, ttl_s=settings.prefix_ttl_s)
-        loads = LoadTracker(pool, metrics_urls(settings), interval_s=settings.load_scrape_s, on_reset=index.forget)
+        consumer = consumer_name()
+        loads = LoadTracker(
+            pool,
+            metrics_urls(settings),
+            interval_s=settings.load_scrape_s,
+            on_reset=index.forget,
+            presence=GatewayPresence(redis, consumer),
+        )
 
         def forget_restarted(replica: Replica) -> None:
             if replica.generation > 1:  # back after being out: its KV cache may be empty
@@ -232,7 +239,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         usage = UsageLedger(redis)
         dispatcher = Dispatcher(
             redis=clients,
-            consumer=consumer_name(),
+            consumer=consumer,
             jobs=jobs,
             pool=pool,
             registry=registry,

@@ -175,3 +175,14 @@ def test_a_replicas_limit_is_its_own_unless_the_engine_runs_fewer() -> None:
     assert (replica.limit("llm_engine"), replica.limit("text_embed")) == (3, 8)
     replica.engine_limits = {"llm_engine": 20}
     assert replica.limit("llm_engine") == 8
+
+
+def test_an_engines_free_capacity_is_split_between_the_live_gateways() -> None:
+    from gateway.server.routing.load import engine_limit
+
+    # 64 slots, 4 used by others, none by us: alone we may take 60; one of four, 15 each.
+    assert engine_limit(64, in_engine=4, own=0, gateways=1) == 60
+    assert engine_limit(64, in_engine=4, own=0, gateways=4) == 15
+    # What we run now stays ours; a full engine still lets one through.
+    assert engine_limit(64, in_engine=40, own=20, gateways=2) == 32
+    assert engine_limit(8, in_engine=8, own=0, gateways=3) == 1

@@ -7,6 +7,7 @@ EventSource clients stop reconnecting)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 from sse_starlette import ServerSentEvent
 
+from gateway.common.redis import REDIS_OUTAGE
 from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.http import LiveStatus
 from gateway.protocol.redis_keys import shard_of
@@ -21,7 +23,8 @@ from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.results.events import MAX_ID_PART, TERMINAL_KINDS, TooManyStreams, event_order
+from gateway.server.errors import Refused
+from gateway.server.results.events import MAX_ID_PART, TERMINAL_KINDS, event_order
 from gateway.server.services import Services, services
 
 router = APIRouter()
@@ -55,6 +58,8 @@ def parse_event_id(value: str) -> str:
         204: {"description": "Nothing after Last-Event-ID: the request has ended"},
         404: {"description": "Unknown id"},
         410: {"description": "Result expired"},
+        429: {"description": "The tenant holds its share of this process's event streams (tenant_share_exceeded)"},
+        503: {"description": "This process holds all the event streams it may (too_many_streams)"},
     },
 )
 async def result_events(
@@ -73,32 +78,45 @@ async def result_events(
     last = await svc.redis.xrevrange(shard_of(request_id).events(request_id), count=1)
     if last and last[0][1].get("event") in TERMINAL_KINDS and event_order(after) >= event_order(last[0][0]):
         return Response(status_code=204)
-    return EventStream(sse_events(svc, request_id, after), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS)
+    # Refused before the stream starts (a 429 or 503, not an error event) when it would be.
+    svc.events.admissible(who.tenant)
+    return EventStream(
+        sse_events(svc, request_id, after, who.tenant), ping=svc.settings.sse_ping_s, headers=SSE_HEADERS
+    )
 
 
 # While a followed request waits in its queue, a `queue` event says where it stands this often.
 QUEUE_EVERY_S = 1.0
 
 
-async def sse_events(svc: Services, request_id: str, after: str) -> AsyncIterator[ServerSentEvent]:
+async def sse_events(
+    svc: Services, request_id: str, after: str, tenant: str | None = None
+) -> AsyncIterator[ServerSentEvent]:
     """The request's events; while it is queued, `queue` events (without an id: nothing to
-    resume from) with its place and expected start, when that changes."""
+    resume from) with its place and expected start, when that changes. Held against the
+    tenant's share of the process's followers: refused (an `error` event) when it holds
+    it all."""
     queued = True  # until a later event says otherwise
     last: str | None = None
     try:
-        async for event in svc.events.follow_idle(request_id, after, idle_s=QUEUE_EVERY_S):
+        async for event in svc.events.follow_idle(request_id, after, idle_s=QUEUE_EVERY_S, tenant=tenant):
             if event is not None:
                 queued = event.kind == "queued"
                 yield ServerSentEvent(data=event.data, event=event.kind, id=event.id)
             elif queued:
-                job = await spine.load(svc.jobs, request_id)
-                standing = await svc.results.standing(job) if job is not None and job.state == State.QUEUED else None
+                try:
+                    job = await spine.load(svc.jobs, request_id)
+                    standing = (
+                        await svc.results.standing(job) if job is not None and job.state == State.QUEUED else None
+                    )
+                except REDIS_OUTAGE:  # Redis away: no place to tell this turn; the events wait for it
+                    continue
                 queued = standing is not None
                 if standing is not None and standing.model_dump_json() != last:
                     last = standing.model_dump_json()
                     yield ServerSentEvent(data=last, event="queue")
-    except TooManyStreams as exc:
-        yield ServerSentEvent(data=f'{{"code": "too_many_streams", "message": "{exc}"}}', event="error")
+    except Refused as exc:  # (the tenant's share, or the whole pool, taken since it was checked)
+        yield ServerSentEvent(data=json.dumps({"code": exc.code, "message": exc.message}), event="error")
 
 
 async def _replay_record(outcome: ResultRecord | LiveStatus, after: str) -> AsyncIterator[ServerSentEvent]:

@@ -7,10 +7,13 @@ and the scrape adds what the other gateways have there.
 Each scrape also sets the replica's engine limits: for every Triton model that reports
 its capacity (`nv_trt_llm_request_metrics{request_type="max"}`: how many requests its
 engine runs at once), how many of this gateway's requests it can run beside the other
-gateways' (capacity less their scheduled and waiting requests, at least one). The pool
-keeps this gateway's requests within it, so the gateways together keep about what the
-engine runs (a scrape interval can add a few), and the fair queue, not the engine's FIFO,
-orders the rest. A scrape that fails drops the limits (REPLICA_MAX_INFLIGHT alone).
+gateways': what it runs now, plus its part of what is free (capacity less everything
+scheduled and waiting, split between the live gateway processes, `engine_limit`; at least
+one). The pool keeps this gateway's requests within it, so the gateways together keep
+about what the engine runs even when all of them get a burst between two scrapes, and the
+fair queue, not the engine's FIFO, orders the rest. A scrape that fails drops the limits
+(REPLICA_MAX_INFLIGHT alone). The live processes are counted in Redis (GatewayPresence)
+at each scrape.
 
 The loads and limits are used only while this gateway sends requests: with none of its
 requests on any replica, it scrapes every IDLE_S only (a restart's empty cache is still
@@ -24,9 +27,11 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
+from gateway.protocol.redis_keys import GATEWAYS_KEY
 from gateway.server.replicas import ReplicaPool
 
 log = logging.getLogger(__name__)
@@ -115,6 +120,35 @@ def _in_engine(kinds: dict[str, float]) -> float:
     return kinds.get("active", 0.0)
 
 
+def engine_limit(capacity: float, in_engine: float, own: int, gateways: int) -> int:
+    """How many of this gateway's requests an engine may hold: those it holds, plus its
+    part of what is free (capacity less all the engine's requests, split between the live
+    gateways: all of them may get a burst before the next scrape); at least one."""
+    free = max(0.0, capacity - max(in_engine, own))
+    return max(1, own + int(free // max(1, gateways)))
+
+
+class GatewayPresence:
+    """The live gateway processes, in one sorted set of Redis (member: a process's
+    consumer name, score: when it last said so): each counts itself in and the others
+    still fresh, at every scrape."""
+
+    def __init__(self, redis: Any, name: str, *, key: str = GATEWAYS_KEY, fresh_s: float = 30.0) -> None:
+        self.redis, self.name, self.key, self.fresh_s = redis, name, key, fresh_s
+
+    async def count(self) -> int:
+        now = time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.key, {self.name: now})
+            pipe.zremrangebyscore(self.key, "-inf", now - self.fresh_s)
+            pipe.zcard(self.key)
+            *_, count = await pipe.execute()
+        return max(1, int(count))
+
+    async def leave(self) -> None:
+        await self.redis.zrem(self.key, self.name)
+
+
 class LoadTracker:
     def __init__(
         self,
@@ -123,8 +157,11 @@ class LoadTracker:
         *,
         interval_s: float,
         on_reset: Callable[[str], Awaitable[None]],
+        presence: GatewayPresence | None = None,
     ) -> None:
         self.pool = pool
+        self.presence = presence
+        self.gateways = 1  # live gateway processes, this one included (presence's count)
         self.metrics_url = metrics_url
         self.interval_s = interval_s
         self.on_reset = on_reset
@@ -141,6 +178,11 @@ class LoadTracker:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self._http.aclose()
+        if self.presence is not None:
+            try:  # the others count without it at once rather than when it goes stale
+                await self.presence.leave()
+            except Exception as exc:
+                log.debug("leaving the gateways' count failed: %s", exc)
 
     def get(self, replica: str) -> ReplicaLoad:
         return self.loads.setdefault(replica, ReplicaLoad())
@@ -170,6 +212,11 @@ class LoadTracker:
                 log.debug("scraping replica metrics failed: %s", exc)
 
     async def scrape_all(self) -> None:
+        if self.presence is not None:
+            try:
+                self.gateways = await self.presence.count()
+            except Exception as exc:  # keep the last count
+                log.debug("counting the gateways failed: %s", exc)
         await asyncio.gather(*(self._scrape(r.url) for r in list(self.pool.replicas) if r.healthy))
 
     async def _scrape(self, replica: str) -> None:
@@ -189,7 +236,7 @@ class LoadTracker:
             return
         if pooled is not None:
             limits = {
-                model: max(1, int(capacity - max(0.0, fresh.engine_requests.get(model, 0.0) - own.get(model, 0))))
+                model: engine_limit(capacity, fresh.engine_requests.get(model, 0.0), own.get(model, 0), self.gateways)
                 for model, capacity in fresh.capacity.items()
             }
             if limits != pooled.engine_limits:
