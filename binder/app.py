@@ -10,13 +10,14 @@ secret) stop it at start instead (binder/cli.py)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
@@ -26,7 +27,7 @@ from binder.archive import Archiver
 from binder.index.follower import IndexFollower
 from binder.index.vectors import VectorIndex, hit_of
 from binder.metrics import BinderMetrics
-from binder.settings import BinderSettings
+from binder.settings import BinderSettings, is_loopback
 from binder.webhooks import WebhookQueue, WebhookSender
 from binder.webhooks.secrets import TenantSecrets
 from gateway.common.logs import configure_logging
@@ -64,6 +65,35 @@ def binder(request: Request) -> Binder:
 
 
 def create_app(settings: BinderSettings | None = None) -> FastAPI:
+# What probes and Prometheus read without the API key: health and metrics, never results.
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
+
+
+def api_guard(settings: BinderSettings) -> Callable[[Request], Awaitable[None]]:
+    """The binder API's authentication, for every route but PUBLIC_PATHS: with
+    BINDER_API_KEY, `Authorization: Bearer <BINDER_API_KEY>` (401 otherwise); without
+    it, loopback peers only (403 otherwise; settings refuse a non-loopback bind then)."""
+    key = settings.binder_api_key.get_secret_value().encode() if settings.binder_api_key else None
+
+    async def authorize(request: Request) -> None:
+        if request.url.path in PUBLIC_PATHS:
+            return
+        if key is None:
+            peer = request.client.host if request.client else ""
+            if not is_loopback(peer):
+                raise HTTPException(403, "the binder's API serves loopback peers only without BINDER_API_KEY")
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+            raise HTTPException(
+                401,
+                "the binder's API needs Authorization: Bearer <BINDER_API_KEY>",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return authorize
+
+
     settings = settings or BinderSettings()
     configure_logging(settings.log_level, settings.log_format)
     metrics = BinderMetrics(  # read when scraped
@@ -141,7 +171,7 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             await mongo.close()
             await clients.aclose()
 
-    app = FastAPI(title="binder (internal)", lifespan=lifespan)
+    app = FastAPI(title="binder (internal)", lifespan=lifespan, dependencies=[Depends(api_guard(settings))])
 
     @app.get("/healthz")
     async def healthz(request: Request) -> Any:

@@ -7,12 +7,13 @@ instead of failing every delivery."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from binder.webhooks.guard import parse_allow_entry
 from binder.webhooks.queue import LEASE_MARGIN_S
@@ -36,6 +37,10 @@ class BinderSettings(ServiceSettings):
 
     binder_host: str = "127.0.0.1"
     binder_port: int = 8090
+    # The internal API's token (search, webhook and dead-letter replay): every call but
+    # /healthz and /metrics needs `Authorization: Bearer <it>`; the gateways send their
+    # BINDER_API_KEY. Unset, the binder must bind to loopback and serves loopback peers only.
+    binder_api_key: SecretStr | None = Field(default=None, min_length=16)
     # Consumer name in the binders group; must be unique per running binder.
     binder_name: str = Field(default_factory=lambda: f"binder-{os.uname().nodename}-{os.getpid()}")
     batch_size: int = Field(default=256, ge=1)
@@ -135,6 +140,15 @@ class BinderSettings(ServiceSettings):
                     f"INDEX_PARTITIONS={self.index_partitions} needs INDEX_PARTITION, or a BINDER_NAME ending "
                     "with its number (binder-3)"
                 )
+    @model_validator(mode="after")
+    def _api_is_authenticated_or_local(self) -> Self:
+        if self.binder_api_key is None and not is_loopback(self.binder_host):
+            raise ValueError(
+                f"BINDER_HOST={self.binder_host} serves the binder's API beyond this machine: set BINDER_API_KEY "
+                "(the gateways send the same BINDER_API_KEY), or bind to 127.0.0.1"
+            )
+        return self
+
             self.index_partition = int(number.group(1)) % self.index_partitions
         if self.index_partition >= self.index_partitions:
             raise ValueError(f"INDEX_PARTITION must be below INDEX_PARTITIONS ({self.index_partitions})")
@@ -147,3 +161,14 @@ class BinderSettings(ServiceSettings):
     @property
     def retry_delays(self) -> list[float]:
         return [float(x) for x in self.webhook_retry_schedule]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address (a bind address or a peer's) is this machine's loopback only:
+    0.0.0.0, :: and names other than localhost are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -194,7 +194,8 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             lambda request_id, entry: reader.record_json(request_id, entry),
             lambda request_id, notice: spine.follow(jobs, request_id, notice),
         )
-        binders = BinderClient(settings.binder_urls, http, partitions=settings.index_partitions)
+        binder_key = settings.binder_api_key.get_secret_value() if settings.binder_api_key else None
+        binders = BinderClient(settings.binder_urls, http, partitions=settings.index_partitions, api_key=binder_key)
         side_tasks: set[asyncio.Task[None]] = set()
 
         def background(coroutine: Coroutine[Any, Any, Any]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from gateway.common.settings import CommaList, ServiceSettings
 from gateway.protocol.webhook_secrets import secrets_problem
@@ -18,6 +18,8 @@ class GatewaySettings(ServiceSettings):
     triton_grpc_urls: CommaList = ["127.0.0.1:8001"]
     # Internal search endpoints of the binders (each holds a full copy of the index).
     binder_urls: CommaList = ["http://127.0.0.1:8090"]
+    # The binders' BINDER_API_KEY, sent as `Authorization: Bearer` on every call to them.
+    binder_api_key: SecretStr | None = None
     # The model registry (TOML); empty: the local profile's models.
     models_file: Path | None = None
 

@@ -119,12 +119,31 @@ class LocalStack:
             "TEXT_EMBED_MODEL_DIR": minilm_dir(),
             "BINDER_URLS": f"http://{s.host}:{s.binder_port}",
             "WEBHOOK_SECRETS": os.environ.get("WEBHOOK_SECRETS") or self.webhook_secret(),
+            **self.binder_key_env(),
             # The gateway hands its running requests over within the stop's grace period.
             "DRAIN_S": str(max(0.0, s.stop_grace_s - 2.0)),
             # Every model directory is local (weight_env): no Hugging Face hub, unless the user says.
             **weights.offline_env(),
             **self.service_overrides,
         }
+
+    def binder_key_env(self) -> dict[str, str]:
+        """BINDER_API_KEY for the binder and the gateway: the user's, or one kept in the
+        data directory when the stack binds beyond loopback (a binder on loopback serves
+        loopback peers without one, binder/settings.py)."""
+        from binder.settings import is_loopback
+
+        if key := os.environ.get("BINDER_API_KEY"):
+            return {"BINDER_API_KEY": key}
+        if is_loopback(self.settings.host):
+            return {}
+        path = self.data_dir / "binder_api_key"
+        if not path.exists():
+            make_private_dir(self.data_dir)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others
+            with os.fdopen(fd, "w") as key_file:
+                key_file.write(base64.urlsafe_b64encode(os.urandom(32)).decode())
+        return {"BINDER_API_KEY": path.read_text().strip()}
 
     def webhook_secret(self) -> str:
         """A signing secret kept in the data directory, made on first use."""

@@ -25,7 +25,9 @@ _CODES = {404: "not_found", 409: "no_webhook", 422: "invalid_query", 429: "repla
 
 
 class BinderClient:
-    def __init__(self, urls: list[str], http: httpx.AsyncClient, partitions: int = 1) -> None:
+    def __init__(
+        self, urls: list[str], http: httpx.AsyncClient, partitions: int = 1, api_key: str | None = None
+    ) -> None:
         if partitions > len(urls):
             raise ValueError(f"INDEX_PARTITIONS={partitions} needs a binder of each: BINDER_URLS has {len(urls)}")
         self.urls = urls
@@ -33,6 +35,8 @@ class BinderClient:
         self.partitions = max(1, partitions)
         # Per partition, the binders that hold it, in BINDER_URLS order.
         self.holders = [urls[p :: self.partitions] for p in range(self.partitions)]
+        # The binders' BINDER_API_KEY (the http client is shared: the header goes per call).
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def _post(
         self, path: str, body: dict[str, Any] | None = None, urls: list[str] | None = None
@@ -40,7 +44,7 @@ class BinderClient:
         last_error = "no binder configured"
         for url in self.urls if urls is None else urls:
             try:
-                response = await self.http.post(f"{url}{path}", json=body)
+                response = await self.http.post(f"{url}{path}", json=body, headers=self.headers)
             except httpx.HTTPError as exc:
                 last_error = f"{url}: {type(exc).__name__}"
                 log.warning("binder %s did not answer: %s", url, exc)
@@ -49,6 +53,8 @@ class BinderClient:
                 raise _refusal(response)
             if response.is_success:
                 return response.json()
+            if response.status_code in (401, 403):
+                log.error("binder %s refused the gateway (HTTP %d): check BINDER_API_KEY", url, response.status_code)
             last_error = f"{url}: HTTP {response.status_code}"
         raise Unavailable("binder_unavailable", f"no binder answered ({last_error})")
 
