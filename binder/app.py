@@ -64,7 +64,6 @@ def binder(request: Request) -> Binder:
     return request.app.state.binder
 
 
-def create_app(settings: BinderSettings | None = None) -> FastAPI:
 # What probes and Prometheus read without the API key: health and metrics, never results.
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
 
@@ -94,6 +93,7 @@ def api_guard(settings: BinderSettings) -> Callable[[Request], Awaitable[None]]:
     return authorize
 
 
+def create_app(settings: BinderSettings | None = None) -> FastAPI:
     settings = settings or BinderSettings()
     configure_logging(settings.log_level, settings.log_format)
     metrics = BinderMetrics(  # read when scraped

@@ -129,6 +129,15 @@ class BinderSettings(ServiceSettings):
         return self
 
     @model_validator(mode="after")
+    def _api_is_authenticated_or_local(self) -> Self:
+        if self.binder_api_key is None and not is_loopback(self.binder_host):
+            raise ValueError(
+                f"BINDER_HOST={self.binder_host} serves the binder's API beyond this machine: set BINDER_API_KEY "
+                "(the gateways send the same BINDER_API_KEY), or bind to 127.0.0.1"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _partition_is_known(self) -> Self:
         if self.index_partitions <= 1:
             self.index_partition = 0
@@ -140,15 +149,6 @@ class BinderSettings(ServiceSettings):
                     f"INDEX_PARTITIONS={self.index_partitions} needs INDEX_PARTITION, or a BINDER_NAME ending "
                     "with its number (binder-3)"
                 )
-    @model_validator(mode="after")
-    def _api_is_authenticated_or_local(self) -> Self:
-        if self.binder_api_key is None and not is_loopback(self.binder_host):
-            raise ValueError(
-                f"BINDER_HOST={self.binder_host} serves the binder's API beyond this machine: set BINDER_API_KEY "
-                "(the gateways send the same BINDER_API_KEY), or bind to 127.0.0.1"
-            )
-        return self
-
             self.index_partition = int(number.group(1)) % self.index_partitions
         if self.index_partition >= self.index_partitions:
             raise ValueError(f"INDEX_PARTITION must be below INDEX_PARTITIONS ({self.index_partitions})")
