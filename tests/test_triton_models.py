@@ -188,3 +188,24 @@ async def test_text_embed_with_real_minilm_weights_ranks_by_meaning(triton) -> N
     ]
     assert cat.shape == (384,)
     assert float(cat @ kitten) > float(cat @ stocks) + 0.2
+
+
+def test_the_stacks_triton_loads_the_twins_only_when_asked(stack) -> None:
+    import json
+    import urllib.request
+
+    from gateway.stack.triton import load_twins
+
+    def states() -> dict[str, str]:
+        request = urllib.request.Request(f"{stack.triton_http}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return {m["name"]: m.get("state", "") for m in json.loads(resp.read())}
+
+    before = states()
+    assert before["llm_engine"] == "READY" and before["llm_engine_nondecoupled"] != "READY"
+    assert load_twins(stack.triton_http, stack.data_dir / "model_repo_triton") == [
+        "llm_engine_nondecoupled",
+        "llm_llmapi_nondecoupled",
+    ]
+    after = states()
+    assert after["llm_engine_nondecoupled"] == after["llm_llmapi_nondecoupled"] == "READY"

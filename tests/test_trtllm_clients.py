@@ -30,6 +30,8 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from tritonclient.grpc import model_config_pb2
 
+from gateway.stack.triton import load_twins
+
 CLIENTS = Path(__file__).resolve().parent / "data" / "trtllm_clients"
 MODEL_REPO = Path(__file__).resolve().parents[1] / "model_repo" / "local"
 PROMPT = "Born in north-east France, Soyer trained as a"  # (the clients' default text)
@@ -99,7 +101,9 @@ Run = Callable[..., subprocess.CompletedProcess]
 
 @pytest.fixture(scope="module")
 def client(stack, tiny_models: dict[str, Path]) -> Run:
-    """Runs one of the clients against the stack's Triton: its output and exit status."""
+    """Runs one of the clients against the stack's Triton: its output and exit status (the
+    twins its calls without streaming use loaded first: the stack loads them when asked)."""
+    load_twins(stack.triton_http, stack.data_dir / "model_repo_triton")
 
     def run(name: str, *args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, str(CLIENTS / name), "-u", stack.triton_grpc]

@@ -54,6 +54,10 @@ class StackSettings(BaseSettings):
     # Try to download weights missing from the local Hugging Face cache.
     allow_downloads: bool = Field(default_factory=lambda: os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"))
     model_repo: Path = Field(default_factory=lambda: model_repo() / "local")
+    # Load the *_nondecoupled twins of the LLM models at start (only TensorRT-LLM's own
+    # clients call them, without streaming); otherwise they load when asked for (Triton's
+    # POST /v2/repository/models/<m>/load), and a restart does not wait for them.
+    triton_twins: bool = False
     start_gateway: bool = True
     # Gateway processes sharing its port (`gateway serve --workers`): by default one per
     # core the rest of the stack leaves free (Triton, Redis, the binder need some), 1 to 4.

@@ -20,6 +20,7 @@ import psutil
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from gateway.common.settings import is_loopback
 from gateway.stack import signals, weights
 from gateway.stack.devices import Device, gpu_instances, place, resolve_device
 from gateway.stack.owners import TRITON_SHM_PREFIX, owned_processes, run_id, shm_regions
@@ -131,8 +132,6 @@ class LocalStack:
         """BINDER_API_KEY for the binder and the gateway: the user's, or one kept in the
         data directory when the stack binds beyond loopback (a binder on loopback serves
         loopback peers without one, binder/settings.py)."""
-        from binder.settings import is_loopback
-
         if key := os.environ.get("BINDER_API_KEY"):
             return {"BINDER_API_KEY": key}
         if is_loopback(self.settings.host):
@@ -201,6 +200,7 @@ class LocalStack:
             metrics_port=metrics_port,
             extra_env=env,
             device=self.device,
+            twins=self.settings.triton_twins,
         )
 
     @property

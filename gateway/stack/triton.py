@@ -115,8 +115,13 @@ def triton_spec(
     metrics_port: int,
     extra_env: dict[str, str] | None = None,
     device: Device = "cpu",
+    twins: bool = True,
 ) -> ServiceSpec:
+    """twins: load the repository's `*_nondecoupled` models at start too (the TensorRT-LLM
+    contract's ModelInfer twins, which only its own clients call); without, Triton loads
+    them when asked for (its repository API: load_twins)."""
     install = TritonInstall.find()
+    models = startup_models(model_repo, twins=twins)
     # Its python backend's shared-memory regions carry this Triton's owner token, so the
     # launcher removes exactly them once the Triton and its stubs are gone.
     owner = new_owner()
@@ -138,6 +143,11 @@ def triton_spec(
         # How long Triton waits for running requests on SIGTERM; the launcher's grace ends it anyway.
         "--exit-timeout-secs=3",
         "--log-verbose=0",
+        # The models named load at start, all of them at once (Triton's default loads four
+        # at a time); the others when asked for.
+        "--model-control-mode=explicit",
+        *(f"--load-model={model}" for model in models),
+        f"--model-load-thread-count={max(1, len(models))}",
     ]
     return ServiceSpec(
         name=name,
@@ -145,7 +155,7 @@ def triton_spec(
         log_file=data_dir / "logs" / f"{name}.log",
         ports=[(http_port, "Triton HTTP"), (grpc_port, "Triton gRPC"), (metrics_port, "Triton metrics")],
         env={**install.environment(device, data_dir), **(extra_env or {})},
-        ready=lambda: triton_models_ready(f"http://{host}:{http_port}"),
+        ready=lambda: triton_models_ready(f"http://{host}:{http_port}", models),
         url=f"grpc://{host}:{grpc_port}  http://{host}:{http_port}  metrics http://{host}:{metrics_port}/metrics",
         owner=owner,
         shm_prefix=shm_prefix,
@@ -160,10 +170,32 @@ class ModelLoadFailed(LaunchError):
     pass
 
 
-def triton_models_ready(http_url: str) -> bool:
-    """True when the server is ready and every model in the repository is READY.
+TWIN_SUFFIX = "_nondecoupled"
 
-    Raises ModelLoadFailed as soon as a model is UNAVAILABLE, with Triton's reason."""
+
+def startup_models(model_repo: Path, *, twins: bool) -> list[str]:
+    """The models of a repository Triton loads at start: all, or all but the twins."""
+    names = sorted(path.parent.name for path in model_repo.glob("*/config.pbtxt"))
+    return [name for name in names if twins or not name.endswith(TWIN_SUFFIX)]
+
+
+def load_twins(http_url: str, model_repo: Path, timeout_s: float = 300) -> list[str]:
+    """Ask a Triton started without its twins to load them (each call returns once the
+    model is READY or failed); the names loaded."""
+    twins = [name for name in startup_models(model_repo, twins=True) if name.endswith(TWIN_SUFFIX)]
+    for name in twins:
+        request = urllib.request.Request(f"{http_url}/v2/repository/models/{name}/load", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            if resp.status != 200:
+                raise ModelLoadFailed(f"Triton could not load model {name}: HTTP {resp.status}")
+    return twins
+
+
+def triton_models_ready(http_url: str, models: list[str] | None = None) -> bool:
+    """True when the server is ready and every model named (all in the repository when
+    None) is READY.
+
+    Raises ModelLoadFailed as soon as one of them is UNAVAILABLE, with Triton's reason."""
     try:
         with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as resp:
             if resp.status != 200:
@@ -173,7 +205,8 @@ def triton_models_ready(http_url: str) -> bool:
     request = urllib.request.Request(f"{http_url}/v2/repository/index", data=b"{}", method="POST")
     with urllib.request.urlopen(request, timeout=5) as resp:
         index = json.loads(resp.read())
-    for model in index:
+    wanted = [model for model in index if models is None or model["name"] in models]
+    for model in wanted:
         if model.get("state") == "UNAVAILABLE":
             raise ModelLoadFailed(f"Triton could not load model {model['name']}: {model.get('reason', '')}")
-    return bool(index) and all(model.get("state") == "READY" for model in index)
+    return bool(wanted) and all(model.get("state") == "READY" for model in wanted)
