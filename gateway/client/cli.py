@@ -24,6 +24,7 @@ from rich.spinner import Spinner
 from gateway.client import DEFAULT_URL, GatewayClient, GatewayError
 from gateway.client.base import _llm_inputs
 from gateway.protocol import EventKind, ResultRecord, State
+from gateway.protocol.vectors import is_packed, packed_shape
 
 app = typer.Typer()
 
@@ -135,6 +136,9 @@ def _summary(record: ResultRecord) -> dict[str, Any]:
     for name, value in (record.outputs or {}).items():
         if isinstance(value, list):
             outputs[name] = {"dim": len(value), "head": [round(float(v), 6) for v in value[:4]]}
+        elif is_packed(value):  # a many-input request's vectors (float32 bytes)
+            rows, dim = packed_shape(value)
+            outputs[name] = {"rows": rows, "dim": dim}
         else:
             outputs[name] = value
     summary = {

@@ -201,3 +201,20 @@ def test_each_row_of_a_many_input_record_is_indexed_once_and_a_hit_names_its_req
     key, score = index.search("minilm", matrix[2].tolist(), 1, "t")[0]
     assert hit_of(key, score) == {"request_id": "A" * 36, "score": pytest.approx(1.0, abs=1e-5), "row": 2}
     assert hit_of("B" * 36, 0.5) == {"request_id": "B" * 36, "score": 0.5}  # a one-vector record: no row
+
+
+def test_usage_counts_a_texts_own_tokens_not_the_padding_of_its_tokenizer() -> None:
+    from gateway.stack.stack import minilm_dir
+
+    adapter = EmbeddingAdapter(
+        "text_embed",
+        "text_embed",
+        input_kind="text",
+        output_name="embedding",
+        space="minilm",
+        tokenizer_dir=str(minilm_dir()),
+    )
+    one = adapter.count_tokens(adapter.validate({"text": "a cat"}, {}))
+    assert one is not None and one < 10  # [CLS] a cat [SEP]; MiniLM's tokenizer.json pads to 128
+    many = adapter.count_tokens(adapter.validate({"text": ["a cat", "a cat sits on the mat"]}, {}))
+    assert many is not None and one < many < 2 * 10

@@ -73,7 +73,11 @@ def _load_tokenizer(directory: str | None) -> Tokenizer | None:
     path = Path(directory) / "tokenizer.json" if directory else None
     if path is None or not path.exists():
         return None
-    return Tokenizer.from_file(str(path))
+    tokenizer = Tokenizer.from_file(str(path))
+    # It only counts usage: the text's own tokens (up to the truncation its tokenizer.json
+    # sets), not the pad tokens it may add (MiniLM's pads every text to 128).
+    tokenizer.no_padding()
+    return tokenizer
 
 
 class EmbeddingRun(Run):
