@@ -27,13 +27,14 @@ from binder.archive import Archiver
 from binder.index.follower import IndexFollower
 from binder.index.vectors import VectorIndex, hit_of
 from binder.metrics import BinderMetrics
-from binder.settings import BinderSettings, is_loopback
+from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue, WebhookSender
 from binder.webhooks.secrets import TenantSecrets
 from gateway.common.logs import configure_logging
 from gateway.common.redis import MAX_BLOCK_MS, RedisClients
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
+from gateway.common.settings import is_loopback
 from gateway.protocol.records import TENANTS_COLLECTION
 
 log = logging.getLogger(__name__)

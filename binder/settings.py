@@ -7,7 +7,6 @@ instead of failing every delivery."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from pathlib import Path
@@ -17,7 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from binder.webhooks.guard import parse_allow_entry
 from binder.webhooks.queue import LEASE_MARGIN_S
-from gateway.common.settings import CommaList, ServiceSettings, index_partition
+from gateway.common.settings import CommaList, ServiceSettings, index_partition, is_loopback
 from gateway.protocol.webhook_secrets import secrets_problem
 
 
@@ -161,14 +160,3 @@ class BinderSettings(ServiceSettings):
     @property
     def retry_delays(self) -> list[float]:
         return [float(x) for x in self.webhook_retry_schedule]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether an address (a bind address or a peer's) is this machine's loopback only:
-    0.0.0.0, :: and names other than localhost are not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from prometheus_client import generate_latest
+from pydantic import ValidationError
 from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
 
@@ -105,3 +106,18 @@ async def test_webhook_refusal_recorded_for_a_resolved_name_holds_no_address(
 def test_webhook_refusal_of_a_literal_address_still_says_why() -> None:
     refusal = AddressGuard([]).refusal("64:ff9b::7f00:1", ip_address("64:ff9b::7f00:1"), 443)
     assert refusal is not None and "NAT64 address of 127.0.0.1" in refusal
+
+
+# -- AUTH_ENABLED=false -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gateway.internal"])
+def test_auth_disabled_is_refused_unless_the_gateway_binds_to_loopback(host: str) -> None:
+    with pytest.raises(ValidationError, match="AUTH_ENABLED=false"):
+        GatewaySettings(_env_file=None, auth_enabled=False, host=host)  # type: ignore[call-arg]
+    assert GatewaySettings(_env_file=None, host=host).auth_enabled  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+def test_auth_disabled_is_allowed_on_loopback(host: str) -> None:
+    assert not GatewaySettings(_env_file=None, auth_enabled=False, host=host).auth_enabled  # type: ignore[call-arg]

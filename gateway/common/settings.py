@@ -4,6 +4,7 @@ only what it reads; names are the environment variables in upper case."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import zlib
 from typing import Annotated, Literal
@@ -64,6 +65,17 @@ class ServiceSettings(BaseSettings):
     live_state_ttl_s: int = Field(default=24 * 3600, gt=0)
     log_level: str = "INFO"
     log_format: Literal["console", "json"] = "console"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address (a bind address or a peer's) is this machine's loopback only:
+    0.0.0.0, :: and names other than localhost are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def index_partition(tenant: str, partitions: int) -> int:

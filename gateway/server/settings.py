@@ -7,7 +7,7 @@ from typing import Literal, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from gateway.common.settings import CommaList, ServiceSettings
+from gateway.common.settings import CommaList, ServiceSettings, is_loopback
 from gateway.protocol.webhook_secrets import secrets_problem
 
 
@@ -93,7 +93,8 @@ class GatewaySettings(ServiceSettings):
     tenant_max_keys: int = Field(default=100, ge=0)
 
     # -- Tenants --------------------------------------------------------------------------
-    # Every call but /healthz and /readyz needs `Authorization: Bearer <API key>`.
+    # Every call but /healthz and /readyz needs `Authorization: Bearer <API key>`. false:
+    # every caller is an operator, so only with HOST on loopback (refused otherwise).
     auth_enabled: bool = True
     public_metrics: bool = True
     public_docs: bool = True
@@ -199,6 +200,15 @@ class GatewaySettings(ServiceSettings):
         if problem:
             raise ValueError(problem)
         return secrets
+
+    @model_validator(mode="after")
+    def _no_keys_only_on_loopback(self) -> Self:
+        if not self.auth_enabled and not is_loopback(self.host):
+            raise ValueError(
+                f"AUTH_ENABLED=false makes every caller an operator: it needs HOST on loopback (127.0.0.1), "
+                f"not {self.host}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tenant_names_are_not_public(self) -> Self:

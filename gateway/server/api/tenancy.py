@@ -1,8 +1,8 @@
 """Who is calling: `Authorization: Bearer <API key>` names a key, the key a tenant and a
 role. Every object of a request belongs to the caller's tenant; another tenant's objects
 read as unknown (404), so their existence does not leak. A missing, wrong or revoked key
-is 401. With AUTH_ENABLED=false every caller is the default tenant (local tools only),
-as an operator.
+is 401. With AUTH_ENABLED=false every caller is the default tenant, as an operator: the
+settings allow it only with the gateway bound to loopback (local tools).
 
 Admin calls: an `admin` key manages its own tenant only (another tenant reads as unknown,
 404, like its other objects); an `operator` key manages every tenant and the deployment."""
