@@ -62,6 +62,8 @@ class _Auth(Mapping[str, str]):
 AUTH = _Auth()
 
 SERVICE_ENV = {
+    # The docs pages (CDN scripts) are off by default; the tests of /docs need them.
+    "DOCS_UI": "true",
     "CLAIM_IDLE_MS": "3000",
     "SWEEP_INTERVAL_S": "0.5",
     "PROBE_INTERVAL_S": "0.5",

@@ -20,6 +20,7 @@ from binder.webhooks.guard import AddressGuard, Refused
 from gateway.protocol.records import replica_name
 from gateway.server.api.edge import Edge
 from gateway.server.api.errors import ErrorRenderer
+from gateway.server.app import create_app
 from gateway.server.dispatch.sweeper import Sweeper
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.settings import GatewaySettings
@@ -121,3 +122,23 @@ def test_auth_disabled_is_refused_unless_the_gateway_binds_to_loopback(host: str
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_auth_disabled_is_allowed_on_loopback(host: str) -> None:
     assert not GatewaySettings(_env_file=None, auth_enabled=False, host=host).auth_enabled  # type: ignore[call-arg]
+
+
+# -- docs pages -------------------------------------------------------------------------
+
+
+def _paths(**settings: object) -> set[str]:
+    edge = create_app(GatewaySettings(_env_file=None, **settings))  # type: ignore[arg-type]
+    return {getattr(route, "path", "") for route in edge.app.routes}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("public_docs", [True, False])
+def test_docs_pages_loading_cdn_scripts_are_off_by_default(public_docs: bool) -> None:
+    paths = _paths(public_docs=public_docs)
+    assert "/docs" not in paths and "/redoc" not in paths
+    assert "/openapi.json" in paths  # the schema stays (behind a key with PUBLIC_DOCS=false)
+
+
+def test_docs_pages_are_served_with_docs_ui() -> None:
+    assert {"/docs", "/redoc", "/openapi.json"} <= _paths(docs_ui=True)
+    assert {"/docs", "/openapi.json"} <= _paths(docs_ui=True, public_docs=False)

@@ -121,12 +121,15 @@ def token_counter(
     return count
 
 
-def add_private_docs(app: FastAPI) -> None:
-    """/docs and /openapi.json for callers with a key (PUBLIC_DOCS=false)."""
+def add_private_docs(app: FastAPI, docs_ui: bool) -> None:
+    """/openapi.json, and /docs with DOCS_UI, for callers with a key (PUBLIC_DOCS=false)."""
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(who: Annotated[Caller, Depends(caller)]) -> JSONResponse:
         return JSONResponse(app.openapi())
+
+    if not docs_ui:
+        return
 
     @app.get("/docs", include_in_schema=False)
     async def docs(who: Annotated[Caller, Depends(caller)]) -> HTMLResponse:
@@ -328,7 +331,9 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         version="0.2.0",
         description=DESCRIPTION,
         lifespan=lifespan,
-        docs_url=None if private_docs else "/docs",
+        # The docs pages load CDN scripts: only with DOCS_UI (settings.docs_ui says why).
+        docs_url="/docs" if settings.docs_ui and not private_docs else None,
+        redoc_url="/redoc" if settings.docs_ui and not private_docs else None,
         openapi_url=None if private_docs else "/openapi.json",
     )
     errors = ErrorRenderer(
@@ -347,7 +352,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
     app.include_router(conversations.router)
     app.include_router(ui_router)  # the browser page at /ui (its API calls need a key; the page does not)
     if private_docs:
-        add_private_docs(app)
+        add_private_docs(app, settings.docs_ui)
     # Every call crosses one middleware: ids, limits, metrics, the caller's headers, and
     # the hot routes served without FastAPI's routing (gateway.server.api.edge).
     return Edge(

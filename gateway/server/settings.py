@@ -98,6 +98,10 @@ class GatewaySettings(ServiceSettings):
     auth_enabled: bool = True
     public_metrics: bool = True
     public_docs: bool = True
+    # Swagger UI (/docs) and ReDoc (/redoc) load their scripts from a CDN, unpinned, on the
+    # origin where /ui keeps the API key in the browser: off unless DOCS_UI=true (a trusted
+    # network). /openapi.json is served either way (PUBLIC_DOCS).
+    docs_ui: bool = False
     key_cache_s: float = Field(default=10.0, ge=0)
     # Limits of a tenant that has no `tenants` document of its own (0: no limit).
     tenant_requests_per_minute: int = Field(default=0, ge=0)
