@@ -214,6 +214,40 @@ def test_a_snapshot_round_trips_with_tenants_and_expiry(tmp_path) -> None:
     assert loaded.search("space", vectors[3].tolist(), 1, "tenant-b")[0][0] == "b-new"
 
 
+def _shard_files(snapshot, tenant: str) -> tuple[int, int]:
+    """The inodes of a tenant's shard files in a snapshot (its vectors, its metadata)."""
+    meta = json.loads((snapshot / "meta.json").read_text())
+    info = next(shard for shard in meta["shards"] if shard["tenant"] == tenant)
+    return (snapshot / info["file"]).stat().st_ino, (snapshot / info["meta"]).stat().st_ino
+
+
+def test_a_snapshot_writes_only_the_shards_that_changed_since_the_last(tmp_path) -> None:
+    index = VectorIndex(tmp_path, use_gpu=False)
+    vectors = unit_vectors(30, 16)
+    index.add(_items(vectors[:10], "a", "tenant-a") + _items(vectors[10:20], "b", "tenant-b"))
+    first = index.snapshot()
+    a_before, b_before = _shard_files(first, "tenant-a"), _shard_files(first, "tenant-b")
+    index.add(_items(vectors[20:], "a2", "tenant-a"))
+    second = index.snapshot()
+    assert _shard_files(second, "tenant-b") == b_before  # unchanged: the same files, linked
+    assert _shard_files(second, "tenant-a") != a_before  # changed: written again
+    loaded = VectorIndex(tmp_path, use_gpu=False)
+    assert loaded.load() and (loaded.ntotal("space", "tenant-a"), loaded.ntotal("space", "tenant-b")) == (20, 10)
+    third = loaded.snapshot()  # after a load, unchanged shards are linked too
+    assert _shard_files(third, "tenant-b") == b_before
+
+
+def test_a_shard_whose_vectors_all_expired_is_dropped_from_memory_and_snapshots(tmp_path) -> None:
+    index = VectorIndex(tmp_path, use_gpu=False)
+    vectors = unit_vectors(6, 16)
+    index.add(_items(vectors[:3], "gone", "tenant-gone", expires_at=1100.0), now=1000.0)
+    index.add(_items(vectors[3:], "kept", "tenant-kept"), now=1000.0)
+    assert index.forget_expired(now=1200.0) == 3
+    assert index.tenants("space") == ["tenant-kept"]
+    meta = json.loads((index.snapshot() / "meta.json").read_text())
+    assert [shard["tenant"] for shard in meta["shards"]] == ["tenant-kept"]
+
+
 def test_a_snapshot_without_tenants_is_not_loaded_so_the_index_is_rebuilt(tmp_path) -> None:
     (tmp_path / "snapshot-1-0").mkdir()
     (tmp_path / "snapshot-1-0" / "meta.json").write_text(json.dumps({"last_id": "1-0", "spaces": {}}))

@@ -23,7 +23,10 @@ snapshot takes is one shard's copy, not the whole index's.
 
 Snapshots are atomic: all files go into a fresh directory, are fsynced, and only then
 does the CURRENT pointer (itself replaced by rename) move to it. A process killed
-mid-snapshot leaves CURRENT on the previous complete snapshot."""
+mid-snapshot leaves CURRENT on the previous complete snapshot. A snapshot writes only the
+shards that changed since the one before (each shard's vectors and its own metadata are
+files of their own; an unchanged shard's are hard links to the previous snapshot's), and a
+shard whose vectors have all expired and been swept is dropped, in memory and on disk."""
 
 from __future__ import annotations
 
@@ -46,9 +49,9 @@ from gateway.protocol.records import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
-# Older formats (1: no tenants, no expiry; 2: one results stream) are not loaded: the
-# index is rebuilt from MongoDB instead.
-SNAPSHOT_FORMAT = 3
+# Older formats (1: no tenants, no expiry; 2: one results stream; 3: every shard's
+# metadata in meta.json) are not loaded: the index is rebuilt from MongoDB instead.
+SNAPSHOT_FORMAT = 4
 NEVER = float("inf")
 # Vectors a snapshot copies per turn of the index lock (384-d float32: 24 MiB, a few ms).
 SNAPSHOT_CHUNK = 16_384
@@ -95,6 +98,7 @@ class Shard:
     next_id: int = 0
     gpu: Any = None  # a GPU copy of the flat vectors for search, when a GPU is present
     generation: int = 0  # changes when a sweep compacts the vectors (positions move)
+    version: int = 0  # changes with every change of its vectors (a snapshot rewrites it then)
 
     @classmethod
     def empty(cls, dim: int) -> Shard:
@@ -122,6 +126,7 @@ class Shard:
             if item.expires_at != NEVER:
                 heapq.heappush(self.expiry, (item.expires_at, faiss_id))
         self.next_id += len(fresh)
+        self.version += 1
         return len(fresh)
 
     def mark_expired(self, now: float) -> None:
@@ -135,6 +140,7 @@ class Shard:
         gone = np.fromiter(self.expired, dtype=np.int64, count=len(self.expired))
         removed = int(self.index.remove_ids(faiss.IDSelectorBatch(gone)))
         self.generation += 1
+        self.version += 1
         for faiss_id in self.expired:
             request_id = self.request_of.pop(faiss_id, None)
             if request_id is not None:
@@ -177,6 +183,7 @@ class Captured:
     request_ids: list[str]  # in the order of the copy's vectors
     expiry: list[tuple[float, int]]
     expired: set[int]
+    version: int  # the shard's version when its copy began
 
 
 class VectorIndex:
@@ -197,6 +204,9 @@ class VectorIndex:
         self.snapshot_chunk = SNAPSHOT_CHUNK
         # Called (without the lock) after each chunk a snapshot copies: tests hold it there.
         self.on_snapshot_chunk: Callable[[], None] | None = None
+        # What the last snapshot (written or loaded) holds of each shard: its version then
+        # and its files' stem there; a shard still at that version is linked, not written.
+        self._written: dict[tuple[str, str], tuple[int, Path]] = {}
         self.use_gpu = faiss.get_num_gpus() > 0 if use_gpu is None else use_gpu
         self._gpu_resources = faiss.StandardGpuResources() if self.use_gpu else None
 
@@ -272,9 +282,11 @@ class VectorIndex:
         now = time.time() if now is None else now
         removed = 0
         with self.lock:
-            for shard in self.shards.values():
+            for key, shard in list(self.shards.items()):
                 shard.mark_expired(now)
                 removed += shard.sweep()
+                if shard.index.ntotal == 0:  # every vector gone: the shard too
+                    del self.shards[key]
         if removed:
             log.info("index: removed %d expired vectors", removed)
         return removed
@@ -293,7 +305,7 @@ class VectorIndex:
                 shard = self.shards.get(key)
                 if shard is None:
                     return None
-                generation, total = shard.generation, shard.index.ntotal
+                generation, version, total = shard.generation, shard.version, shard.index.ntotal
             copy: Any = faiss.IndexIDMap2(faiss.IndexFlatIP(shard.dim))
             request_ids: list[str] = []
             step = total if whole else max(1, self.snapshot_chunk)
@@ -305,7 +317,14 @@ class VectorIndex:
                     if start >= total:
                         # The expiry of what was copied, at the same turn as its last part.
                         return Captured(
-                            key[0], key[1], shard.dim, copy, request_ids, list(shard.expiry), set(shard.expired)
+                            key[0],
+                            key[1],
+                            shard.dim,
+                            copy,
+                            request_ids,
+                            list(shard.expiry),
+                            set(shard.expired),
+                            version,
                         )
                     count = min(step, total - start)
                     vectors = faiss.downcast_index(shard.index.index).reconstruct_n(start, count)
@@ -335,33 +354,34 @@ class VectorIndex:
         staging.mkdir()
         shards_meta: list[dict[str, Any]] = []
         counts: dict[str, int] = {}
+        written: dict[tuple[str, str], tuple[int, str]] = {}
         for key in keys:
-            shard = self._capture(key)
-            if shard is None:
-                continue
-            file_name = f"shard-{len(shards_meta)}.faiss"
-            faiss.write_index(shard.index, str(staging / file_name))
-            ids = faiss.vector_to_array(shard.index.id_map).tolist()  # in the order of the vectors
-            expiry = {faiss_id: at for at, faiss_id in shard.expiry}
-            expiry.update(dict.fromkeys(shard.expired, 0.0))  # marked expired: gone at the next sweep
+            stem = f"shard-{len(shards_meta)}"
+            with self.lock:
+                current = self.shards.get(key)
+                if current is None or current.index.ntotal == 0:
+                    continue  # gone, or nothing in it: not written
+                dim, version, live = current.dim, current.version, current.live
+            before = self._written.get(key)
+            if before is not None and before[0] == version and _link_files(before[1], staging / stem):
+                # Unchanged since the snapshot before: its files, linked (none written).
+                counts[key[0]] = counts.get(key[0], 0) + live
+            else:
+                shard = self._capture(key)
+                if shard is None:
+                    continue
+                version, live = shard.version, self._write_shard(shard, staging / stem)
+                counts[key[0]] = counts.get(key[0], 0) + live
+                del shard  # one shard's copy at a time: freed before the next is copied
             shards_meta.append(
-                {
-                    "file": file_name,
-                    "space": shard.space,
-                    "tenant": shard.tenant,
-                    "dim": shard.dim,
-                    "request_ids": shard.request_ids,
-                    "expires_at": [_json_time(expiry.get(i, NEVER)) for i in ids],
-                }
+                {"file": f"{stem}.faiss", "meta": f"{stem}.json", "space": key[0], "tenant": key[1], "dim": dim}
             )
-            live = len(ids) - len(shard.expired.intersection(ids))
-            counts[shard.space] = counts.get(shard.space, 0) + live
-            del shard  # one shard's copy at a time: freed before the next is copied
+            written[key] = (version, stem)
         meta = {"format": SNAPSHOT_FORMAT, "positions": positions, "shards": shards_meta}
         if self.partition:
             meta["partition"] = self.partition
         with (staging / "meta.json").open("w") as out:
-            _dump_in_parts(meta, out)
+            json.dump(meta, out)
         for path in staging.iterdir():
             _fsync(path)
         final = self.directory / name
@@ -377,8 +397,21 @@ class VectorIndex:
         for old in self.directory.iterdir():
             if old.is_dir() and old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
+        self._written = {key: (version, final / stem) for key, (version, stem) in written.items()}
         self.snapshotted = counts
         return final
+
+    @staticmethod
+    def _write_shard(shard: Captured, stem: Path) -> int:
+        """A shard's vectors (stem.faiss) and its metadata (stem.json); its live vectors."""
+        faiss.write_index(shard.index, str(stem.with_suffix(".faiss")))
+        ids = faiss.vector_to_array(shard.index.id_map).tolist()  # in the order of the vectors
+        expiry = {faiss_id: at for at, faiss_id in shard.expiry}
+        expiry.update(dict.fromkeys(shard.expired, 0.0))  # marked expired: gone at the next sweep
+        meta = {"request_ids": shard.request_ids, "expires_at": [_json_time(expiry.get(i, NEVER)) for i in ids]}
+        with stem.with_suffix(".json").open("w") as out:
+            _dump_in_parts(meta, out)
+        return len(ids) - len(shard.expired.intersection(ids))
 
     def load(self) -> bool:
         """Load the snapshot CURRENT points at. False when there is none, or it is of
@@ -402,10 +435,12 @@ class VectorIndex:
             return False
         shards: dict[tuple[str, str], Shard] = {}
         dims: dict[str, int] = {}
+        written: dict[tuple[str, str], tuple[int, Path]] = {}
         for info in meta["shards"]:
             index: Any = faiss.read_index(str(snapshot / info["file"]))  # an IndexIDMap2
             ids = faiss.vector_to_array(index.id_map).tolist()
-            request_ids, expires = info["request_ids"], info["expires_at"]
+            own = json.loads((snapshot / info["meta"]).read_text())
+            request_ids, expires = own["request_ids"], own["expires_at"]
             if not len(ids) == len(request_ids) == len(expires):
                 raise ValueError(f"snapshot {snapshot.name}: {info['file']} has {len(ids)} vectors, other metadata")
             shard = Shard(
@@ -418,11 +453,14 @@ class VectorIndex:
             )
             heapq.heapify(shard.expiry)
             self._attach_gpu(shard)
-            shards[(info["space"], info.get("tenant") or DEFAULT_TENANT)] = shard
+            key = (info["space"], info.get("tenant") or DEFAULT_TENANT)
+            shards[key] = shard
+            written[key] = (shard.version, snapshot / Path(info["file"]).stem)
             dims[info["space"]] = info["dim"]
         with self.lock:
             self.shards, self.dims = shards, dims
             self.positions = dict(meta["positions"])
+        self._written = written
         self.snapshotted = {space: self.ntotal(space) for space in self.spaces}
         return True
 
@@ -450,6 +488,19 @@ def _dump_in_parts(value: Any, out: Any, part: int = SNAPSHOT_CHUNK) -> None:
         out.write("[" + ",".join(json.dumps(value[i : i + part])[1:-1] for i in range(0, len(value), part)) + "]")
     else:
         out.write(json.dumps(value))
+
+
+def _link_files(stem: Path, to: Path) -> bool:
+    """Hard-link a shard's two files of an earlier snapshot under a new stem (False when
+    they are gone or cannot be linked: then the shard is written again)."""
+    try:
+        for suffix in (".faiss", ".json"):
+            os.link(stem.with_suffix(suffix), to.with_suffix(suffix))
+    except OSError:
+        for suffix in (".faiss", ".json"):
+            to.with_suffix(suffix).unlink(missing_ok=True)
+        return False
+    return True
 
 
 def _json_time(at: float) -> float | None:
