@@ -83,9 +83,9 @@ def main() -> None:
     print("| twins at start | ready s (median) | runs | slowest models (s) |")
     print("| --- | --- | --- | --- |")
     for way, values in ready.items():
-        models = ", ".join(f"{name} {took:.1f}" for name, took in slowest[way].items())
+        named = ", ".join(f"{name} {took:.1f}" for name, took in slowest[way].items())
         runs = " / ".join(f"{v:.1f}" for v in values)
-        print(f"| {way} | {statistics.median(values):.1f} | {runs} | {models} |")
+        print(f"| {way} | {statistics.median(values):.1f} | {runs} | {named} |")
 
 
 if __name__ == "__main__":
