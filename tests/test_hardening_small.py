@@ -11,12 +11,14 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import yaml
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
 
 from binder.webhooks.guard import AddressGuard, Refused
+from gateway.deploy.compose import COMPOSE_FILE
 from gateway.protocol.records import replica_name
 from gateway.server.api.edge import Edge
 from gateway.server.api.errors import ErrorRenderer
@@ -142,3 +144,22 @@ def test_docs_pages_loading_cdn_scripts_are_off_by_default(public_docs: bool) ->
 def test_docs_pages_are_served_with_docs_ui() -> None:
     assert {"/docs", "/redoc", "/openapi.json"} <= _paths(docs_ui=True)
     assert {"/docs", "/openapi.json"} <= _paths(docs_ui=True, public_docs=False)
+
+
+# -- compose: Redis, MongoDB and the binders' API need their secrets --------------------
+
+
+def test_compose_redis_and_mongodb_require_passwords_and_the_binders_a_key() -> None:
+    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    redis = services["redis"]["command"]
+    assert redis[redis.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    mongo = services["mongo"]
+    assert mongo["environment"]["MONGO_INITDB_ROOT_PASSWORD"].startswith("${MONGO_PASSWORD:?")
+    assert "--keyFile" in mongo["command"]  # authentication in a replica set
+    apps = {name: s for name, s in services.items() if name == "gateway" or name.startswith("binder-")}
+    assert len(apps) >= 2
+    for name, service in apps.items():
+        env = service["environment"]
+        assert env["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD:?"), name
+        assert "${MONGO_PASSWORD:?" in env["MONGO_URL"] and "authSource=admin" in env["MONGO_URL"], name
+        assert env["BINDER_API_KEY"].startswith("${BINDER_API_KEY:?"), name

@@ -173,10 +173,27 @@ def _triton(index: int, gpus: tuple[str, ...], tp_size: int) -> dict[str, Any]:
     }
 
 
+# Redis and MongoDB share the network with Triton and the binders: each needs its password
+# (compose/.env; hex, so that it goes into a URL as it is).
+REDIS_PASSWORD = "${REDIS_PASSWORD:?set REDIS_PASSWORD in compose/.env}"
+MONGO_USERNAME = "${MONGO_USERNAME:-gateway}"
+MONGO_PASSWORD = "${MONGO_PASSWORD:?set MONGO_PASSWORD in compose/.env}"
+# The binders' internal API (search, webhook and dead-letter replay): the gateways send it.
+BINDER_API_KEY = "${BINDER_API_KEY:?set BINDER_API_KEY in compose/.env}"
+# mongod with authentication and a replica set needs a key file: derived from the password
+# at start (only the root user's password opens it anyway), readable by mongod's user only.
+MONGO_KEY_FILE = "/tmp/mongo-keyfile"
+_MONGO_ENTRYPOINT = (
+    f"printf '%s' \"$$MONGO_INITDB_ROOT_PASSWORD\" | sha256sum | cut -c1-64 > {MONGO_KEY_FILE} && "
+    f'chmod 400 {MONGO_KEY_FILE} && chown 999:999 {MONGO_KEY_FILE} && exec docker-entrypoint.sh "$$@"'
+)
+
+
 def _service_env() -> dict[str, str]:
     return {
-        "REDIS_URL": "redis://redis:6379/0",
-        "MONGO_URL": "mongodb://mongo:27017/?replicaSet=rs0",
+        "REDIS_URL": f"redis://:{REDIS_PASSWORD}@redis:6379/0",
+        "MONGO_URL": f"mongodb://{MONGO_USERNAME}:{MONGO_PASSWORD}@mongo:27017/?replicaSet=rs0&authSource=admin",
+        "BINDER_API_KEY": BINDER_API_KEY,
         "LOG_FORMAT": "json",
         "LOG_LEVEL": "${LOG_LEVEL:-INFO}",
     }
@@ -207,19 +224,30 @@ def generate(deployment: Deployment) -> dict[str, Any]:
             "${REDIS_MAXMEMORY:-4gb}",
             "--maxmemory-policy",
             "noeviction",
+            "--requirepass",
+            REDIS_PASSWORD,
         ],
+        # redis-cli (the health check) reads the password from REDISCLI_AUTH.
+        "environment": {"REDISCLI_AUTH": REDIS_PASSWORD},
         "volumes": ["redis-data:/data"],
         "healthcheck": {"test": ["CMD", "redis-cli", "ping"], "interval": "5s", "timeout": "3s", "retries": 5},
         "restart": "unless-stopped",
     }
     services["mongo"] = {
         "image": "${MONGO_IMAGE:-mongo:7.0}",
-        # A single-node replica set: retryable writes and change streams need one.
-        "command": ["mongod", "--replSet", "rs0", "--bind_ip_all"],
+        # A single-node replica set: retryable writes and change streams need one. With
+        # authentication: the root user is made on the first start of an empty volume.
+        "entrypoint": ["bash", "-ec", _MONGO_ENTRYPOINT, "mongo"],
+        "command": ["mongod", "--replSet", "rs0", "--bind_ip_all", "--keyFile", MONGO_KEY_FILE],
+        "environment": {"MONGO_INITDB_ROOT_USERNAME": MONGO_USERNAME, "MONGO_INITDB_ROOT_PASSWORD": MONGO_PASSWORD},
         "volumes": ["mongo-data:/data/db", "./mongo/init-replica-set.js:/scripts/init-replica-set.js:ro"],
         # The health check initiates the replica set once, then reports healthy when primary.
         "healthcheck": {
-            "test": ["CMD", "mongosh", "--quiet", "--norc", "/scripts/init-replica-set.js"],
+            "test": [
+                "CMD-SHELL",
+                'mongosh --quiet --norc -u "$$MONGO_INITDB_ROOT_USERNAME" -p "$$MONGO_INITDB_ROOT_PASSWORD" '
+                "--authenticationDatabase admin /scripts/init-replica-set.js",
+            ],
             "interval": "5s",
             "timeout": "10s",
             "retries": 10,

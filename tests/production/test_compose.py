@@ -138,7 +138,7 @@ def test_redis_keeps_an_append_only_file_and_mongo_is_a_replica_set() -> None:
     assert "rs.initiate" in script.read_text()
     assert any(script.name in part for part in mongo["healthcheck"]["test"])
     for name in ("gateway", "binder-0"):
-        assert services[name]["environment"]["MONGO_URL"] == "mongodb://mongo:27017/?replicaSet=rs0"
+        assert services[name]["environment"]["MONGO_URL"].endswith("@mongo:27017/?replicaSet=rs0&authSource=admin")
 
 
 def test_nginx_mounts_the_repository_config() -> None:
