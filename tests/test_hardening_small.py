@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from ipaddress import ip_address
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -163,3 +164,14 @@ def test_compose_redis_and_mongodb_require_passwords_and_the_binders_a_key() -> 
         assert env["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD:?"), name
         assert "${MONGO_PASSWORD:?" in env["MONGO_URL"] and "authSource=admin" in env["MONGO_URL"], name
         assert env["BINDER_API_KEY"].startswith("${BINDER_API_KEY:?"), name
+
+
+@pytest.mark.parametrize("manifest", ["binder.yaml", "gateway.yaml"])
+def test_kubernetes_binders_and_gateways_get_the_binder_api_key_from_the_secret(manifest: str) -> None:
+    base = Path(__file__).resolve().parent.parent / "kubernetes"
+    workload = next(yaml.safe_load_all((base / "base" / manifest).read_text()))
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    ref = next(v for v in container["env"] if v["name"] == "BINDER_API_KEY")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "triton-gateway", "key": "BINDER_API_KEY"}  # not optional
+    example = yaml.safe_load((base / "examples" / "secret.example.yaml").read_text())
+    assert len(example["stringData"]["BINDER_API_KEY"]) >= 16
