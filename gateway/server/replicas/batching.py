@@ -14,10 +14,15 @@ calls as one-row requests do, so a request larger than max_batch_size is split i
 several calls (up to `calls` of them in flight) within its one run, and its answer is all
 its rows in order, once the last call holding any of them has answered.
 
-A batched call that fails as a whole is tried again request by request, so one bad input
-fails only its own request; a caller that stops waiting (a cancel, its deadline) leaves
-the call to the others. Only runs whose input is one BYTES element of shape [1] per row
-and whose output is one tensor (the embedding models) are batched: see Run.batch_row.
+A batched call that fails as a whole for what may be one request's input is tried again in
+halves, one half after the other (so a bad input fails only its own request, found in a
+few calls, and the retries never hold more calls in flight than the call they replace); one
+that fails for the replica's sake (unavailable, overloaded, out of time) fails its
+requests at once, to be run elsewhere. A caller that stops waiting (a cancel, its deadline)
+leaves the call to the others. The model's configuration (its max_batch_size) is asked for
+with a timeout of CONFIG_TIMEOUT_S; unknown, calls carry one request. Only runs whose
+input is one BYTES element of shape [1] per row and whose output is one tensor (the
+embedding models) are batched: see Run.batch_row.
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ from gateway.server.models.base import BatchRow
 from gateway.server.replicas.pool import Replica
 
 log = logging.getLogger(__name__)
+
+CONFIG_TIMEOUT_S = 5.0
+# Statuses of a call that failed for the replica's sake, not an input's: not retried here.
+_REPLICA_FAULTS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED")
+
+
+def _inputs_may_be_at_fault(exc: BaseException) -> bool:
+    if isinstance(exc, OSError | asyncio.TimeoutError):
+        return False
+    status = str(exc.status() or "") if isinstance(exc, InferenceServerException) else ""
+    return not any(fault in status for fault in _REPLICA_FAULTS)
 
 
 @dataclass
@@ -162,12 +178,14 @@ class BatchedInfer:
             if rows is None or len(rows) != len(values):
                 raise RuntimeError(f"{model} answered {0 if rows is None else len(rows)} rows for {len(values)}")
         except Exception as exc:
-            if alone:
+            if alone or not _inputs_may_be_at_fault(exc):
                 for piece in pieces:
                     _settle(piece.item, error=exc)
                 return
-            log.debug("a batch of %d for %s failed (%s); trying each alone", len(pieces), model, type(exc).__name__)
-            await asyncio.gather(*(self._send(replica, model, [piece]) for piece in pieces))
+            log.debug("a batch of %d for %s failed (%s); trying it in halves", len(pieces), model, type(exc).__name__)
+            half = len(pieces) // 2
+            await self._send(replica, model, pieces[:half])
+            await self._send(replica, model, pieces[half:])
             return
         at = 0
         for piece in pieces:
@@ -179,7 +197,10 @@ class BatchedInfer:
         size = self._max_batch.get(key)
         if size is None:
             try:
-                config: dict[str, Any] = await replica.client.get_model_config(model, as_json=True)
+                config: dict[str, Any] = await asyncio.wait_for(
+                    replica.client.get_model_config(model, as_json=True, client_timeout=CONFIG_TIMEOUT_S),
+                    CONFIG_TIMEOUT_S,
+                )
                 size = int(config.get("config", {}).get("max_batch_size", 0))
             except Exception:  # unknown for now: one at a time, and ask again next time
                 return 1
