@@ -248,7 +248,7 @@ def gateway_spec(
         ports=[(port, "gateway HTTP")],
         env={**env, "HOST": host, "PORT": str(port)},
         ready=lambda: _http_ok(f"http://{host}:{port}{ready_path}"),
-        url=f"http://{host}:{port}  (docs http://{host}:{port}/docs)",
+        url=f"http://{host}:{port}  (OpenAPI http://{host}:{port}/openapi.json)",
         stop_stage=STOP_GATEWAYS,  # first: it hands its running requests over through Redis
     )
 
