@@ -98,18 +98,30 @@ async def test_a_redis_outage_does_not_eject_the_triton_replica(redis_and_gatewa
     ]
 
 
+async def _follow(client: httpx.AsyncClient, request_id: str, started: asyncio.Event) -> list[str]:
+    """One SSE connection, never resumed: the kinds of the events it gets until it ends."""
+    kinds: list[str] = []
+    async with client.stream("GET", f"/results/{request_id}/events") as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("event:"):
+                kinds.append(line.partition(":")[2].strip())
+                started.set()
+    return kinds
+
+
 async def test_an_sse_client_without_resume_logic_keeps_its_stream_through_a_redis_restart(redis_and_gateway) -> None:
     redis, _, gateway_url = redis_and_gateway
     async with httpx.AsyncClient(headers=AUTH, base_url=gateway_url, timeout=120) as client:
         ahead = [await submit(client, STREAM) for _ in range(40)]
         followed = await submit(client, {**STREAM, "inputs": {"text_input": "the last one", "max_tokens": 10}})
-        reading = asyncio.create_task(read_events(client, followed))  # one connection, never resumed
-
+        started = asyncio.Event()
+        reading = asyncio.create_task(_follow(client, followed, started))
+        await asyncio.wait_for(started.wait(), timeout=60)  # its stream is open: it has its first event
         # 40 streams of 3 s ahead of it, 32 at a time in this gateway: it waits its turn.
         assert (await client.get(f"/results/{followed}")).json()["status"] == "queued"
         await _kill_and_restart(redis, down_s=1.5)  # its stream reads its place in line meanwhile
-        events = await asyncio.wait_for(reading, timeout=120)
+        kinds = await asyncio.wait_for(reading, timeout=120)
         await wait_all(client, ahead, timeout=120)
-    kinds = [event["event"] for event in events]
     assert kinds[-1] == "completed", kinds
     assert "error" not in kinds
