@@ -187,9 +187,11 @@ class GatewaySettings(ServiceSettings):
     # draining gateway handed on do not count).
     max_deliveries: int = Field(default=3, ge=1)
     sweep_interval_s: float = Field(default=1.0, gt=0)
-    # Token events: a stream's pieces of a window travel as one event, and the events of
-    # every stream of the process as one Redis call per shard (dispatch/relay.py).
-    token_window_ms: float = Field(default=10.0, ge=0)
+    # Token events: every stream's events of the process go as one Redis call per shard,
+    # sent at once when no call of the shard is in flight, else with what gathers until it
+    # ends (dispatch/relay.py); above 0, also held up to this long to gather more (fewer
+    # calls at many streams, for that much latency a token).
+    token_window_ms: float = Field(default=0.0, ge=0)
     # How long a draining gateway lets running requests finish before handing them over.
     drain_s: float = Field(default=10.0, ge=0)
     # Once started, the process's objects leave the garbage collector's view and its youngest

@@ -1,10 +1,11 @@
 """The token relay: every token event this process writes goes through it, and it writes
-them per shard in one EMIT call per window (TOKEN_WINDOW_MS), whatever the number of
-streams. A hundred streams of 50 tokens a second then cost a hundred calls a second, not
-five thousand: the per-call cost of Redis and its client is paid once per window.
+them per shard in one EMIT call: at once when no call of the shard is in flight, else with
+everything that gathered while it was (batched when there is a queue, never waiting for
+one). With TOKEN_WINDOW_MS above 0 it also holds events up to that long to gather more
+(fewer calls at many streams, for that much latency a token).
 
-A stream's first event (its time to first token) and a run's last ones do not wait for
-the window: they go at once, with whatever else is pending for the shard."""
+A stream's first event (its time to first token) and a run's last ones never wait for a
+window: they go at once, with whatever else is pending for the shard."""
 
 from __future__ import annotations
 
