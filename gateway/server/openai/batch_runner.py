@@ -1,7 +1,10 @@
 """Drives batches to their end, in whichever gateway holds a batch's lease.
 
 Every gateway runs one BatchRunner. It claims an active batch whose lease has run out
-(find_one_and_update: one claimant wins), renews the lease while it works, and fences
+(find_one_and_update: one claimant wins), the oldest of the tenant served least recently
+(round robin between tenants), drives it for a turn of BATCH_TURN_S and hands it back to
+be claimed again, so one tenant's many batches never hold every runner while another
+tenant's wait. It renews the lease while it works, and fences
 every write to the batch document by its own name, so a gateway that lost the lease
 (paused, partitioned) cannot overwrite the new holder's progress. A gateway that dies
 simply stops renewing; another (or the same, restarted) takes the batch over.
@@ -61,6 +64,10 @@ _RENEW_EVERY_LINES = 500
 # Validation writes its line documents in bulks of at most this much input (and of at most
 # _RENEW_EVERY_LINES lines): what it holds of a large file is one bulk.
 _WRITE_BYTES = 512 << 10
+
+
+# How a runner's drive of a batch ends: the batch ended, or its turn did.
+ENDED, TURN_OVER = "ended", "turn_over"
 
 
 class LeaseLost(Exception):
@@ -162,16 +169,35 @@ class BatchRunner:
         await asyncio.gather(*self.driving.values(), return_exceptions=True)
 
     async def _claim(self) -> dict[str, Any] | None:
+        """The oldest claimable batch of the tenant whose batches were claimed least
+        recently (round robin between tenants, across every runner: `batch_turns` keeps
+        when each tenant was last served), so a tenant with many batches gets one turn
+        while others wait, not every runner."""
+        await self.store.prepare()
         now = time.time()
-        return await self.store.batches.find_one_and_update(
-            {"status": {"$in": list(ACTIVE)}, "lease_until": {"$lt": now}, "_id": {"$nin": list(self.driving)}},
-            {"$set": {"lease_owner": self.name, "lease_until": now + self.settings.batch_lease_s}},
-            return_document=ReturnDocument.AFTER,
-        )
+        claimable = {"status": {"$in": list(ACTIVE)}, "lease_until": {"$lt": now}, "_id": {"$nin": list(self.driving)}}
+        tenants = await self.store.batches.distinct("tenant", claimable)
+        if not tenants:
+            return None
+        served = {d["_id"]: float(d.get("at") or 0.0) async for d in self.store.turns.find({"_id": {"$in": tenants}})}
+        for tenant in sorted(tenants, key=lambda t: (served.get(t, 0.0), t)):
+            batch = await self.store.batches.find_one_and_update(
+                {**claimable, "tenant": tenant},
+                {"$set": {"lease_owner": self.name, "lease_until": now + self.settings.batch_lease_s}},
+                sort=[("created_at", 1)],  # its oldest first
+                return_document=ReturnDocument.AFTER,
+            )
+            if batch is not None:
+                await self.store.turns.update_one({"_id": tenant}, {"$set": {"at": time.time()}}, upsert=True)
+                return batch
+        return None
 
     async def _drive_logged(self, batch_id: str) -> None:
         try:
-            await self.drive(batch_id)
+            if await self.drive(batch_id) == TURN_OVER:
+                # Handed back: claim again now (this slot may go to another tenant's batch).
+                self.driving.pop(batch_id, None)
+                self.wake.set()
         except LeaseLost:
             log.info("batch %s: lease lost to another gateway", batch_id)
         except asyncio.CancelledError:
@@ -200,8 +226,13 @@ class BatchRunner:
         assert document is not None
         return document
 
-    async def drive(self, batch_id: str) -> None:
+    async def drive(self, batch_id: str) -> str:
+        """Drive the batch to its end (ENDED), or for one turn of BATCH_TURN_S while it is
+        in progress, then hand it back (TURN_OVER): its lease is released for the next
+        claim, which serves the tenant that waited longest. Validation is never cut short
+        (it starts again from its first line)."""
         batch = await self._renew(batch_id)
+        turn_ends = time.monotonic() + self.settings.batch_turn_s
         while True:
             status = batch["status"]
             if status == "validating":
@@ -209,14 +240,17 @@ class BatchRunner:
             elif status in ("in_progress", "cancelling"):
                 if await self.advance(batch):
                     batch = await self._renew(batch_id, {"status": "finalizing", "finalizing_at": int(time.time())})
+                elif status == "in_progress" and time.monotonic() >= turn_ends:
+                    await self._renew(batch_id, {"lease_owner": "", "lease_until": 0.0})
+                    return TURN_OVER
                 else:
                     await asyncio.sleep(self.settings.batch_poll_s)
                     batch = await self._renew(batch_id)
             elif status == "finalizing":
                 await self.finalize(batch)
-                return
+                return ENDED
             else:
-                return
+                return ENDED
 
     async def _fail(self, batch: dict[str, Any], code: str, message: str) -> dict[str, Any]:
         error = {"code": code, "message": message, "param": "input_file_id", "line": None}
@@ -240,9 +274,20 @@ class BatchRunner:
         """Read the input file into line documents (invalid lines end at once, failed),
         line by line as it streams from GridFS: a large file is never held whole. A file
         that fails as a whole (not UTF-8, too many lines) takes the lines written back."""
+        # Counted before it starts: a validation that kills its runner (or never ends
+        # inside its lease) is not started again for ever.
+        batch = await self._renew(batch["_id"], {"validations": int(batch.get("validations") or 0) + 1})
+        if batch["validations"] > self.settings.batch_max_validations:
+            await self.store.lines.delete_many({"batch": batch["_id"]})
+            return await self._fail(
+                batch,
+                "validation_failed",
+                f"validating the input file did not end in {self.settings.batch_max_validations} attempts",
+            )
         lines = await self.svc.files.lines(batch["tenant"], batch["input_file_id"])
         if lines is None:
             return await self._fail(batch, "file_not_found", f"no file {batch['input_file_id']}")
+        max_lines, room = self.settings.batch_max_lines, await self._lines_room(batch)
         seen: set[str] = set()
         writes: list[UpdateOne] = []
         count = n = buffered = 0
@@ -256,14 +301,25 @@ class BatchRunner:
             if not raw.strip():
                 continue
             count += 1
-            if count > self.settings.batch_max_lines:
+            if count > max_lines:
+                await self.store.lines.delete_many({"batch": batch["_id"]})
+                return await self._fail(batch, "too_many_lines", f"a batch may have at most {max_lines} lines")
+            if room is not None and count > room:
                 await self.store.lines.delete_many({"batch": batch["_id"]})
                 return await self._fail(
-                    batch, "too_many_lines", f"a batch may have at most {self.settings.batch_max_lines} lines"
+                    batch,
+                    "batch_lines_quota_exceeded",
+                    f"the tenant's batches not ended may hold {self.settings.tenant_max_batch_lines} lines together "
+                    f"(TENANT_MAX_BATCH_LINES); the others hold {self.settings.tenant_max_batch_lines - room}",
                 )
             line: dict[str, Any] = {"batch": batch["_id"], "line": n, "custom_id": None, "outcome": PENDING}
+            if len(data) > self.settings.batch_max_line_bytes:
+                # Never stored (a document holds at most 16 MiB): a failed line of its own.
+                line |= {"outcome": FAILED, "error": _too_large(len(data), self.settings.batch_max_line_bytes)}
+                writes.append(UpdateOne({"_id": f"{batch['_id']}:{n:07d}"}, {"$set": line}, upsert=True))
+                continue
             try:
-                parsed = BatchLine.model_validate(_json_line(raw))
+                parsed = BatchLine.model_validate(await _json_line_off_the_loop(raw))
                 line["custom_id"] = parsed.custom_id
                 if parsed.url != batch["endpoint"]:
                     raise ApiError(400, "invalid_url", f"url must be the batch's endpoint {batch['endpoint']}")
@@ -290,6 +346,19 @@ class BatchRunner:
         fields = {"in_progress_at": int(time.time()), "request_counts": await self._counts(batch["_id"])}
         started = await self._update(batch["_id"], {**fields, "status": "in_progress"}, {"status": "validating"})
         return started or await self._renew(batch["_id"], fields)  # cancelled while validating: stays cancelling
+
+    async def _lines_room(self, batch: dict[str, Any]) -> int | None:
+        """How many lines this batch may have within TENANT_MAX_BATCH_LINES: the limit less
+        the lines of the tenant's other batches not ended (those validated; None: no limit)."""
+        limit = self.settings.tenant_max_batch_lines
+        if not limit:
+            return None
+        others = self.store.batches.find(
+            {"status": {"$in": list(ACTIVE)}, "tenant": batch["tenant"], "_id": {"$ne": batch["_id"]}},
+            {"request_counts": 1},
+        )
+        held = sum([int((d.get("request_counts") or {}).get("total") or 0) async for d in others])
+        return max(0, limit - held)
 
     async def advance(self, batch: dict[str, Any]) -> bool:
         """One round: collect ended lines, submit more (or cancel); True when nothing is left."""
@@ -424,6 +493,23 @@ class BatchRunner:
 
 def _invalid_refusal(exc: Refused) -> dict[str, Any]:
     return {"code": exc.code, "message": exc.message}
+
+
+# A line longer than this is parsed in a worker thread: the event loop serves on meanwhile.
+_PARSE_OFF_THE_LOOP = 64 << 10
+
+
+def _too_large(size: int, limit: int) -> dict[str, Any]:
+    return {
+        "code": "line_too_large",
+        "message": f"the line has {size} bytes; a line may have at most {limit} (BATCH_MAX_LINE_BYTES)",
+    }
+
+
+async def _json_line_off_the_loop(raw: str) -> Any:
+    if len(raw) > _PARSE_OFF_THE_LOOP:
+        return await asyncio.to_thread(_json_line, raw)
+    return _json_line(raw)
 
 
 def _json_line(raw: str) -> Any:

@@ -8,7 +8,10 @@ requests in the `batch` band, below interactive traffic, so batches fill spare c
 
 Statuses: validating -> in_progress -> finalizing -> completed | failed | expired, and
 cancelling -> cancelled. An invalid line goes to the error file and does not fail the
-batch; a batch fails only when its input cannot be read at all."""
+batch; a batch fails only when its input cannot be read at all (or its lines would take
+its tenant past TENANT_MAX_BATCH_LINES, or its validation never ended
+BATCH_MAX_VALIDATIONS times). A tenant has at most TENANT_MAX_ACTIVE_BATCHES batches not
+ended (429 active_batches_quota_exceeded beyond)."""
 
 from __future__ import annotations
 
@@ -22,12 +25,14 @@ from gateway.protocol import new_request_id
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai.schemas import BATCH_ENDPOINTS, BatchRequest, refuse_unsupported
-from gateway.server.services import services
+from gateway.server.services import Services, services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 BATCHES_COLLECTION = "batches"
 LINES_COLLECTION = "batch_lines"
+# When each tenant's batches were last claimed by a runner (round robin between tenants).
+TURNS_COLLECTION = "batch_turns"
 WINDOWS = {"24h": 24 * 3600}
 # A runner works on a batch in these statuses.
 ACTIVE = ("validating", "in_progress", "cancelling", "finalizing")
@@ -35,13 +40,35 @@ ACTIVE = ("validating", "in_progress", "cancelling", "finalizing")
 PENDING, SUBMITTED, SUCCEEDED, FAILED, SKIPPED = "pending", "submitted", "succeeded", "failed", "skipped"
 
 # Fields of a batch document that are not part of the OpenAI batch object.
-_PRIVATE = ("tenant", "lease_owner", "lease_until", "ending")
+_PRIVATE = ("tenant", "lease_owner", "lease_until", "ending", "validations")
+# Retry-After of a batch refused for the tenant's active batches: batches take minutes.
+QUOTA_RETRY_AFTER_S = 60
 
 
 class BatchStore:
     def __init__(self, client: AsyncMongoClient, database: str) -> None:
         self.batches = client[database][BATCHES_COLLECTION]
         self.lines = client[database][LINES_COLLECTION]
+        self.turns = client[database][TURNS_COLLECTION]
+        self._prepared = False
+
+    async def prepare(self) -> None:
+        """The indexes of every query a hot path makes (once per store): a runner's claim
+        (active batches of a tenant, oldest first), a tenant's list and its active count,
+        and a batch's lines by outcome and in order. Without them one tenant's volume is a
+        full scan for everyone."""
+        if self._prepared:
+            return
+        # (No `_id` in a compound key: the local MongoDB-wire server refuses one.)
+        await self.batches.create_index([("status", 1), ("tenant", 1), ("created_at", 1)])
+        await self.batches.create_index([("tenant", 1), ("created_at", -1)])
+        await self.lines.create_index([("batch", 1), ("outcome", 1), ("line", 1)])
+        await self.lines.create_index([("batch", 1), ("line", 1)])
+        self._prepared = True
+
+    async def active(self, tenant: str) -> int:
+        """The tenant's batches not ended yet."""
+        return await self.batches.count_documents({"status": {"$in": list(ACTIVE)}, "tenant": tenant})
 
     async def create(self, tenant: str, body: BatchRequest) -> dict[str, Any]:
         now = int(time.time())
@@ -121,9 +148,29 @@ async def create_batch(body: BatchRequest, request: Request, who: Annotated[Call
         raise ApiError(
             400, "invalid_file", "the input file must have purpose batch", details={"param": "input_file_id"}
         )
+    await refuse_over_quota(svc, who.tenant)
     document = await svc.batches.create(who.tenant, body)
     svc.batch_runner.notice()
     return batch_object(document)
+
+
+async def refuse_over_quota(svc: Services, tenant: str) -> None:
+    """Refuse (429) a batch beyond the tenant's TENANT_MAX_ACTIVE_BATCHES not ended yet (0:
+    no limit): one that ends makes room. Batches created at the same moment may pass it
+    together."""
+    limit = svc.settings.tenant_max_active_batches
+    if not limit:
+        return
+    await svc.batches.prepare()
+    active = await svc.batches.active(tenant)
+    if active >= limit:
+        raise ApiError(
+            429,
+            "active_batches_quota_exceeded",
+            f"tenant {tenant} has {active} batches not ended, its quota (TENANT_MAX_ACTIVE_BATCHES) is {limit}",
+            details={"quota": "TENANT_MAX_ACTIVE_BATCHES", "limit": limit, "used": active},
+            headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
+        )
 
 
 @router.get("/batches/{batch_id}", summary="One batch (OpenAI)")

@@ -5,6 +5,8 @@ Files live in MongoDB's GridFS (bucket `files`), never only in memory: a batch's
 survives any gateway, and its output and error files are written there too. Each file
 belongs to one tenant; another tenant gets 404. Uploads are limited to MAX_FILE_BYTES
 (413 beyond), and only purpose `batch` is taken (the Batch API is what files are for).
+A tenant keeps at most TENANT_MAX_FILES files of TENANT_MAX_FILE_BYTES bytes together
+(an upload past either: 403 file_count_quota_exceeded / file_bytes_quota_exceeded).
 
 Every file expires (its `expires_at`): an upload FILE_RETENTION_S (30 days) after it was
 made, or after OpenAI's `expires_after` (anchor `created_at`, one hour to 30 days); a
@@ -84,6 +86,15 @@ class FileStore:
         found = await self.get(tenant, file_id)
         assert found is not None
         return found
+
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        """How many files the tenant keeps (not expired) and their bytes together."""
+        count = size = 0
+        query = {"metadata.tenant": tenant, **self._unexpired(int(time.time()))}
+        async for document in self.meta.find(query, {"length": 1}):
+            count += 1
+            size += int(document.get("length", 0))
+        return count, size
 
     async def _exists(self, file_id: str) -> bool:
         return await self.meta.find_one({"_id": file_id}, {"_id": 1}) is not None
@@ -193,10 +204,21 @@ class FileStore:
             await self.meta.delete_one({"_id": file_id})
         return len(file_ids)
 
+    async def prepare(self) -> None:
+        """Indexes for what the hot paths ask of the file documents: a tenant's files (its
+        list, its quota) and the expired ones (the sweep). The local MongoDB-wire server
+        keeps its own GridFS indexes and ignores these."""
+        await self.meta.create_index([("metadata.tenant", 1), ("_id", -1)])
+        await self.meta.create_index([("metadata.expires_at", 1)])
+
     async def sweep_forever(self, interval_s: float) -> None:
-        """sweep() every interval_s (supervised: a MongoDB away is waited out here)."""
+        """prepare(), then sweep() every interval_s (supervised: a MongoDB away is waited out here)."""
+        prepared = False
         while True:
             try:
+                if not prepared:
+                    await self.prepare()
+                    prepared = True
                 while (removed := await self.sweep()) > 0:
                     log.info("removed %d expired files", removed)
                     if removed < SWEEP_BATCH:
@@ -265,7 +287,35 @@ async def upload_file(
         raise ApiError(400, "empty_file", "the file is empty", details={"param": "file"})
     if size > svc.settings.max_file_bytes:
         raise ApiError(413, "file_too_large", f"a file may be at most {svc.settings.max_file_bytes} bytes")
+    await refuse_over_quota(svc, who.tenant, size)
     return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
+
+
+async def refuse_over_quota(svc: Services, tenant: str, size: int) -> None:
+    """Refuse (403) an upload of size bytes that would take the tenant past what it may
+    store: TENANT_MAX_FILES files or TENANT_MAX_FILE_BYTES bytes (0: no limit; a batch's
+    output files count too). Checked before storing: uploads at the same moment may pass
+    it together."""
+    settings = svc.settings
+    max_files, max_bytes = settings.tenant_max_files, settings.tenant_max_file_bytes
+    if not max_files and not max_bytes:
+        return
+    count, used = await svc.files.usage(tenant)
+    if max_files and count + 1 > max_files:
+        raise ApiError(
+            403,
+            "file_count_quota_exceeded",
+            f"tenant {tenant} keeps {count} files, its quota (TENANT_MAX_FILES) is {max_files}: delete some first",
+            details={"quota": "TENANT_MAX_FILES", "limit": max_files, "used": count},
+        )
+    if max_bytes and used + size > max_bytes:
+        raise ApiError(
+            403,
+            "file_bytes_quota_exceeded",
+            f"tenant {tenant} keeps {used} bytes of files, this file would take it past its quota "
+            f"(TENANT_MAX_FILE_BYTES) of {max_bytes}: delete some first",
+            details={"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": used},
+        )
 
 
 def label(filename: str | None) -> str:

@@ -3,7 +3,8 @@ SHA-256 of the secret (the secret is 256 random bits, so a fast hash is safe), c
 in constant time, never logged. Each key belongs to a tenant and has a role: `user`
 (the API), `admin` (also manages its own tenant: its keys, settings and usage) or
 `operator` (manages every tenant and the deployment; `gateway keys create --operator`, and
-the local stack's own key).
+the local stack's own key). Through the API a tenant has at most TENANT_MAX_KEYS keys not
+revoked (403 `key_quota_exceeded` beyond); the operator's CLI is not limited.
 
 Verified keys are cached (tenants/refreshing.py): a key verified before is answered from
 memory, and read again behind the callers once its entry is older than a few seconds, so
@@ -31,6 +32,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 
 from gateway.common.redis import RedisClients
 from gateway.protocol.redis_keys import KEYS_CHANNEL
+from gateway.server.errors import Forbidden
 from gateway.server.tenants.refreshing import RefreshingCache
 
 KEYS_COLLECTION = "api_keys"
@@ -100,8 +102,20 @@ class KeyStore:
             self._valid.drop_where(lambda info: info.key_id == key_id)
         self._missing.clear()
 
-    async def create(self, tenant: str, role: Role = "user", name: str = "") -> tuple[KeyInfo, str]:
-        """A new key; returns its info and the key itself (the only time it is seen)."""
+    async def create(
+        self, tenant: str, role: Role = "user", name: str = "", *, max_keys: int = 0
+    ) -> tuple[KeyInfo, str]:
+        """A new key; returns its info and the key itself (the only time it is seen).
+        Raises Forbidden (`key_quota_exceeded`) when the tenant already has max_keys keys
+        not revoked (0: no limit; keys made at the same moment may pass it together)."""
+        if max_keys:
+            live = await self.collection.count_documents({"tenant": tenant, "revoked": False})
+            if live >= max_keys:
+                raise Forbidden(
+                    "key_quota_exceeded",
+                    f"tenant {tenant} has {live} keys, its quota (TENANT_MAX_KEYS) is {max_keys}: revoke one first",
+                    details={"quota": "TENANT_MAX_KEYS", "limit": max_keys, "used": live},
+                )
         key_id = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         info = KeyInfo(key_id, tenant, role, name, datetime.now(UTC))
