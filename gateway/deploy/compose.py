@@ -194,6 +194,9 @@ def _service_env() -> dict[str, str]:
         "REDIS_URL": f"redis://:{REDIS_PASSWORD}@redis:6379/0",
         "MONGO_URL": f"mongodb://{MONGO_USERNAME}:{MONGO_PASSWORD}@mongo:27017/?replicaSet=rs0&authSource=admin",
         "BINDER_API_KEY": BINDER_API_KEY,
+        # The binders sign each tenant's webhooks with a secret derived from these; the
+        # gateways derive the same to show a tenant's admin its own.
+        "WEBHOOK_SECRETS": "${WEBHOOK_SECRETS:?set WEBHOOK_SECRETS in compose/.env}",
         "LOG_FORMAT": "json",
         "LOG_LEVEL": "${LOG_LEVEL:-INFO}",
     }
@@ -291,7 +294,6 @@ def generate(deployment: Deployment) -> dict[str, Any]:
                 "BINDER_NAME": binder_name(index),
                 "FAISS_DIR": "/data/faiss",
                 **_service_env(),
-                "WEBHOOK_SECRETS": "${WEBHOOK_SECRETS:?set WEBHOOK_SECRETS in compose/.env}",
             },
             "volumes": [f"{binder_name(index)}-faiss:/data/faiss"],
             # One name for every binder, as `triton` for the replicas: Prometheus finds them by it.

@@ -62,8 +62,9 @@ class TenantConfig(BaseModel):
     limits: TenantLimits = Field(default_factory=TenantLimits)
     # What the tenant's admin set within the grant (0: the grant's).
     own_limits: TenantLimits = Field(default_factory=TenantLimits)
-    # Standard Webhooks secrets that sign this tenant's webhooks, all of them (else the
-    # deployment's). The admin API checks them (gateway.protocol.webhook_secrets); the
+    # Standard Webhooks secrets that sign this tenant's webhooks, all of them (else secrets
+    # derived from the deployment's and the tenant: gateway.protocol.webhook_secrets
+    # tenant_secrets). The admin API checks them (gateway.protocol.webhook_secrets); the
     # binder reads them at send time (binder/webhooks/secrets.py).
     webhook_secrets: list[str] = Field(default_factory=list, max_length=4)
     # Where the OpenAI-style events of the tenant's /v1 objects go (response.completed for
