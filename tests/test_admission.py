@@ -74,11 +74,14 @@ def test_a_call_that_could_never_be_admitted_is_refused_naming_the_limit(stack) 
         MAX_BACKLOG="8",
     )
     try:
-        body = {"model": "text_embed", "input": [f"sentence {i}" for i in range(9)]}
-        response = httpx.post(f"{url}/v1/embeddings", headers=AUTH, json=body, timeout=30)
+        body = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "n": 9, "max_tokens": 1}
+        response = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=body, timeout=30)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["code"] == "too_many_requests_in_call"
         assert "at most 8" in response.json()["error"]["message"]
+        # An embeddings call is one request whatever its inputs: 9 of them fit where 8 may wait.
+        many = {"model": "text_embed", "inputs": {"text": [f"sentence {i}" for i in range(9)]}}
+        assert httpx.post(f"{url}/infer", headers=AUTH, json=many, timeout=30).status_code == 202
     finally:
         stack.stop(gateway)
 

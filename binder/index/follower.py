@@ -188,7 +188,12 @@ class IndexFollower:
         started = time.monotonic()
         items: list[Item] = []
         async for document in self.store.embeddings():
-            items.extend(item for item in item_from_document(document) if self.holds(item.tenant))
+            try:
+                found = item_from_document(document)
+            except (ValueError, KeyError, TypeError) as exc:  # vectors that do not read: the rest still do
+                log.warning("index rebuild: %s holds no readable vectors (%s)", document.get("_id"), exc)
+                continue
+            items.extend(item for item in found if self.holds(item.tenant))
         self.index.positions = {}
         added = await asyncio.to_thread(self.index.add, items)
         log.info("index rebuilt from MongoDB: %d vectors in %.1fs", added, time.monotonic() - started)
@@ -244,8 +249,8 @@ class IndexFollower:
                 for _, fields in entries:
                     try:
                         found = item_of(ResultRecord.model_validate_json(fields.get("record", "")), self.store)
-                    except ValueError:
-                        continue  # not a record (or its vectors are not); the storing side dead-letters it
+                    except (ValueError, TypeError):
+                        continue  # not a record (or its vectors do not read); the storing side dead-letters it
                     items.extend(item for item in found if self.holds(item.tenant))
                 self._applied_since_snapshot += await asyncio.to_thread(self.index.add, items, (stream, entries[-1][0]))
                 self._maybe_snapshot()
