@@ -31,6 +31,8 @@ class InferRequest(BaseModel):
                     "stream": True,
                 },
                 {"model": "text_embed", "inputs": {"text": "a cat sits on the mat"}},
+                # Many inputs, one request: the record holds their vectors packed (protocol/vectors.py).
+                {"model": "text_embed", "inputs": {"text": ["a cat sits on the mat", "a dog in the park"]}},
                 {
                     "model": "clip_image",
                     "inputs": {"image": "<base64 PNG or JPEG>"},

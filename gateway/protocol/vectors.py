@@ -15,6 +15,8 @@ Pure data (no numpy): the gateway and the binder make arrays of the bytes themse
 from __future__ import annotations
 
 import base64
+import sys
+from array import array
 from typing import Any
 
 DTYPE = "float32"
@@ -54,3 +56,15 @@ def vector_rows(value: Any) -> int:
     if is_packed(value):
         return packed_shape(value)[0]
     return 1 if isinstance(value, list) and value else 0
+
+
+def float_rows(value: Any) -> list[list[float]]:
+    """An embedding output's vectors as lists of floats, whichever form it has (for clients
+    without numpy; with numpy: np.frombuffer(packed_bytes(value), "<f4").reshape(shape))."""
+    if not is_packed(value):
+        return [list(value)] if isinstance(value, list) and value else []
+    rows, dim = packed_shape(value)
+    values = array("f", packed_bytes(value))
+    if sys.byteorder != "little":
+        values.byteswap()
+    return [values[row * dim : (row + 1) * dim].tolist() for row in range(rows)]

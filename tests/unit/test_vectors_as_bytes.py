@@ -17,7 +17,7 @@ from binder.index.follower import item_from_document, item_of
 from binder.index.vectors import VectorIndex, hit_of
 from gateway.common.result_store import record_from_document, record_to_document
 from gateway.protocol import IndexRef, ResultRecord, State
-from gateway.protocol.vectors import is_packed, packed, packed_bytes, vector_rows
+from gateway.protocol.vectors import float_rows, is_packed, packed, packed_bytes, vector_rows
 from gateway.server.models import InvalidInput
 from gateway.server.models.base import BatchRow
 from gateway.server.models.embedding import EmbeddingAdapter, TextListInputs
@@ -42,7 +42,7 @@ class _Client:
         self.max_batch, self.fail_on = max_batch, fail_on
         self.calls: list[list[bytes]] = []
 
-    async def get_model_config(self, model: str, as_json: bool = True) -> dict[str, Any]:
+    async def get_model_config(self, model: str, as_json: bool = True, **options: Any) -> dict[str, Any]:
         return {"config": {"max_batch_size": self.max_batch}}
 
     async def infer(self, model: str, inputs: list[Any], **options: Any) -> _Result:
@@ -218,3 +218,9 @@ def test_usage_counts_a_texts_own_tokens_not_the_padding_of_its_tokenizer() -> N
     assert one is not None and one < 10  # [CLS] a cat [SEP]; MiniLM's tokenizer.json pads to 128
     many = adapter.count_tokens(adapter.validate({"text": ["a cat", "a cat sits on the mat"]}, {}))
     assert many is not None and one < many < 2 * 10
+
+
+def test_a_client_without_numpy_reads_either_form_of_vectors_as_floats() -> None:
+    matrix = np.arange(2 * DIM, dtype=np.float32).reshape(2, DIM)
+    assert float_rows(packed(matrix.tobytes(), 2, DIM)) == matrix.tolist()
+    assert float_rows([0.5, 0.25]) == [[0.5, 0.25]]
