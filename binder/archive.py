@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue
+from gateway.common import tracing
 from gateway.common.logs import request_ids_bound
 from gateway.common.redis import REDIS_OUTAGE
 from gateway.common.result_store import ResultStore, Unstorable
@@ -121,6 +122,7 @@ class Archiver:
         # "refused" (at once), "redelivered" (delivered max_deliveries times without being stored).
         self.dead_lettered: dict[str, int] = {}
         self.prepared = False
+        tracing.setup("triton-gateway-binder")  # nothing when not configured
 
     async def prepare(self) -> None:
         """MongoDB's indexes and the consumer groups (in run(), so a binder started while
@@ -217,6 +219,7 @@ class Archiver:
         """Store a batch of one shard's entries; returns how many were acknowledged."""
         if not entries:
             return 0
+        started = tracing.clock()
         stream = entries[0].stream
         consumer = consumer or self._consumer_of(stream)
         records: dict[str, ResultRecord] = {}
@@ -263,6 +266,8 @@ class Archiver:
         await self.webhooks.enqueue([records[rid] for rid in outcome.stored])
         acked = [entry.id for rid in outcome.stored for entry in entry_of[rid]]
         await consumer.ack(stream, *acked)
+        # A span in each stored result's trace, from reading the batch to acknowledging it.
+        tracing.consumed("binder.store", (records[rid].traceparent for rid in outcome.stored), started)
         self.stored_total += len(outcome.stored)
         return dead + len(acked)
 

@@ -128,6 +128,9 @@ class ResultRecord(BaseModel):
     # The X-Request-ID of the HTTP call that submitted it: the binder logs under it and
     # sends it to webhook receivers. Optional, so records without it still read.
     trace_id: str | None = None
+    # The W3C traceparent of its submission, when traced: the binder's span joins that
+    # trace (gateway.common.tracing). Optional, as trace_id.
+    traceparent: str | None = None
     # Set by the binder.
     stored: bool = False
     expires_at: datetime | None = None

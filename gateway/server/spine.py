@@ -22,7 +22,7 @@ accept (Submitter) and read (results/reader.py); each process's dispatcher
 (dispatch/dispatcher.py) calls start, run and finish for the runs it holds, the sweeper
 expire and reclaim. The spine imports nothing above it: what it needs of its drivers (a
 process that can start a run at once, the replica call) it is handed, as the protocols
-below describe them."""
+below describe them. Each stage is a span of the request's trace (gateway.common.tracing)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from opentelemetry.trace import SpanKind
+
+from gateway.common import tracing
 from gateway.common.logs import bind_request_ids
 from gateway.common.redis import NotReplicated, waits_for_redis
 from gateway.protocol import ErrorInfo, ResultRecord, State, new_request_id
@@ -97,6 +100,7 @@ class Submitter:
         return await accept(self, who, bodies, **options)
 
 
+@tracing.traced("accept")  # its stages' spans: gateway/common/tracing.py
 async def accept(
     parts: Submitter,
     who: Caller,
@@ -117,7 +121,8 @@ async def accept(
         raise ValueError("one submission is for one model")
     registry, settings = parts.registry, parts.settings
     bodies = [checks.salted(registry, who, body) for body in bodies]
-    prepared, prompt_tokens = await checks.prepare(registry, settings, bodies)
+    with tracing.span("accept.tokenize"):
+        prepared, prompt_tokens = await checks.prepare(registry, settings, bodies)
     hashes = [checks.body_hash(body) for body in bodies] if idempotency_keys else None
     if idempotency_keys and hashes:
         replay = await replayed(parts.jobs, who.tenant, idempotency_keys, hashes)
@@ -137,6 +142,7 @@ async def accept(
     now = time.time()
     shard = parts.jobs.shard_for(who.tenant)
     trace_id = parts.trace_id()
+    carried = tracing.carrier()  # the trace's context, for whichever process runs it
     new: list[NewRequest] = []
     for index, (body, item, tokens) in enumerate(zip(bodies, prepared, prompt_tokens, strict=True)):
         timeout_s = body.timeout_s or settings.default_timeout_s
@@ -151,26 +157,29 @@ async def accept(
             "metadata": body.metadata,
             "prompt_tokens": tokens,
             "trace_id": trace_id,  # the dispatcher and the binder log under it
+            **carried,
             **(extra_payload or {}),
         }
         idempotency = (idempotency_keys[index], hashes[index]) if idempotency_keys and hashes else None
         new.append(NewRequest(new_request_id(now, shard.index), payload, now, now + timeout_s, idempotency))
     checks.fits_bytes(admission, sum(len(n.stored) for n in new))
     if not batch:
-        who.headers |= await parts.quotas.admit(who.config, sum(t or 0 for t in prompt_tokens) or 1)
+        with tracing.span("accept.quotas"):
+            who.headers |= await parts.quotas.admit(who.config, sum(t or 0 for t in prompt_tokens) or 1)
     # SUBMIT, starting it at once where this process has room and nothing of the model waits.
     start_as, light_only = parts.starts.can_start_now(model, who.tenant) if len(new) == 1 else ("", False)
     charged = sum(t or 0 for t in prompt_tokens) if not batch else None
     try:
-        submitted = await parts.jobs.submit(
-            new,
-            model=model,
-            tenant=who.tenant,
-            band=band,
-            admission=admission,
-            start_as=start_as,
-            light_only=light_only,
-        )
+        with tracing.span("submit", SpanKind.PRODUCER):
+            submitted = await parts.jobs.submit(
+                new,
+                model=model,
+                tenant=who.tenant,
+                band=band,
+                admission=admission,
+                start_as=start_as,
+                light_only=light_only,
+            )
     except NotReplicated:
         if charged is not None:
             await parts.quotas.refund(who.config, charged)
@@ -189,6 +198,7 @@ async def accept(
     if submitted.outcome == "existing":  # submitted meanwhile by a concurrent call with the same key
         return checks.replay(submitted.existing, hashes or [])
     ids = [n.request_id for n in new]
+    tracing.annotate("gateway.request_id", ids[0])
     bind_request_ids(trace_id=trace_id, request_id=ids[0])  # for the call's access line
     parts.metrics.count_accepted(model, len(ids))
     if submitted.outcome == "started":
@@ -232,6 +242,7 @@ class RunsRequests(Protocol):
     def partial(self, job: Job, control: Any, status: State, error: ErrorInfo | None) -> ResultRecord: ...
 
 
+@tracing.of_job("run", queued=True, kind=SpanKind.CONSUMER)  # after a `start` span: the wait to start
 async def run(
     runner: RunsRequests, job: Job, control: Any, prepared: Any, *, max_deliveries: int, on_acquired: Callable[[], None]
 ) -> ResultRecord:
@@ -281,6 +292,7 @@ class TokenStream(Protocol):
     async def refill(self, deadline: float, *, emitted: int) -> None: ...
 
 
+@tracing.of_job("finish")
 async def finish(
     jobs: JobStore, job: Job, record: ResultRecord, emitter: TokenStream | None, *, output_event: bool
 ) -> str | None:

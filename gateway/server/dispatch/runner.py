@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from opentelemetry.trace import SpanKind
 
+from gateway.common import tracing
 from gateway.protocol import ErrorInfo, ResultRecord, Route, State, Usage
 from gateway.protocol.records import replica_name
 from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
@@ -97,6 +99,7 @@ class Runner:
         # Without sharing, a many-input request's rows still go in calls of at most the
         # model's max_batch_size (calls of its own, one at a time).
         self.split = self.batched or BatchedInfer(1, shared=False)
+        tracing.setup()  # at start, not at the first request (nothing when not configured)
 
     async def run(self, job: Job, control: RunControl, prepared: Any = None) -> ResultRecord:
         """prepared: the inputs as validated at submission in this process, if they were."""
@@ -236,7 +239,9 @@ class Runner:
         if previous is not None and previous.produced and adapter.resumable:
             run.carry_from(previous)
         try:
-            await self._call(replica, run, job, stream, control)
+            with tracing.span("replica.call", SpanKind.CLIENT):  # Triton gets its traceparent
+                tracing.annotate("gateway.replica", replica.url)
+                await self._call(replica, run, job, stream, control)
         except Failure as failure:
             failures.append(failure)
             tried.add(replica.url)
@@ -262,7 +267,9 @@ class Runner:
             "request_id": job.request_id,
             "timeout": int(remaining * 1e6),
         }
-        responses = replica.client.stream_infer(_once(request), stream_timeout=remaining)
+        responses = replica.client.stream_infer(
+            _once(request), stream_timeout=remaining, headers=tracing.headers(job.payload)
+        )
         adapter = self.registry.adapters[job.model]
         emitter = control.emitter
 
@@ -327,6 +334,7 @@ class Runner:
                 request_id=job.request_id,
                 client_timeout=remaining,
                 timeout=int(remaining * 1e6),
+                headers=tracing.headers(job.payload),
             )
         call: asyncio.Future[Any] = asyncio.ensure_future(answer)
 
@@ -351,6 +359,7 @@ class Runner:
     def _first(control: RunControl) -> None:
         if control.first_response_s is None:
             control.first_response_s = time.monotonic() - control.started
+            tracing.mark("replica.first_response")  # from the replica call's start
 
     async def _stop(self, replica: Replica, model: str, request_id: str) -> None:
         """Tell a generator behind an ensemble to end request_id (ensembles do not pass

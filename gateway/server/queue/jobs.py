@@ -306,6 +306,7 @@ class Job:
             index=index if status == State.SUCCEEDED else None,
             metadata=self.payload.get("metadata") or {},
             trace_id=self.payload.get("trace_id"),
+            traceparent=self.payload.get("traceparent"),
         )
 
     def queued_usage(self, status: State) -> Usage | None:
