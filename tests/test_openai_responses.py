@@ -247,6 +247,37 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(client) -> None:
     assert client.responses.retrieve(final["response"]["id"]).status == "incomplete"
 
 
+def test_a_response_cut_by_the_default_cap_names_that_cap(client) -> None:
+    # No max_output_tokens: the gateway's default (512) applies, and the response says so.
+    response = client.responses.create(model=TOOLS_MODEL, input="Go on and on.", temperature=0)
+    assert response.max_output_tokens == 512
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.usage.output_tokens == 512
+    assert client.responses.retrieve(response.id).max_output_tokens == 512
+
+
+def test_a_response_cut_by_the_models_context_names_that_cap(client) -> None:
+    # llm's context is 256 tokens: the room after the prompt is the cap that applies.
+    response = client.responses.create(model="llm", input="Go on and on.", temperature=0, max_output_tokens=1000)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.max_output_tokens == response.usage.output_tokens < 1000
+
+
+def test_image_input_is_refused_saying_no_image_model_is_served(client) -> None:
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    answer = _raw(client, "responses", model="llm", input=[{"role": "user", "content": [image]}])
+    assert answer.status_code == 400, answer.text
+    assert "no model that reads images is served" in answer.json()["error"]["message"]
+
+
+def test_a_function_call_output_without_its_call_is_refused_naming_it(client) -> None:
+    stray = {"type": "function_call_output", "call_id": "call_nowhere", "output": "{}"}
+    answer = _raw(client, "responses", model="llm", input=[{"role": "user", "content": "Hi"}, stray])
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "input[1].call_id"
+
+
 def test_a_json_schema_text_format_is_honoured_and_echoed(client) -> None:
     schema = {
         "type": "object",
@@ -549,13 +580,6 @@ def test_what_is_not_served_is_refused_in_openais_error_shape(client, extra, par
 def test_a_reasoning_that_asks_for_nothing_is_accepted(client) -> None:
     response = client.responses.create(model="llm", input="Hi", max_output_tokens=2, reasoning={"effort": None})
     assert response.status in ("completed", "incomplete")
-
-
-def test_compact_is_refused_as_not_found_in_openais_error_shape(client) -> None:
-    answer = _raw(client, "responses/compact", model="llm", input="Hi")
-    assert answer.status_code == 404, answer.text
-    error = answer.json()["error"]
-    assert error["type"] == "invalid_request_error" and "compact" in error["message"]
 
 
 # -- the Agents SDK ------------------------------------------------------------------------------------

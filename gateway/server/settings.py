@@ -89,6 +89,9 @@ class GatewaySettings(ServiceSettings):
     # (400 response_chain_too_long / response_chain_too_large beyond).
     response_chain_max: int = Field(default=100, ge=1)
     response_chain_max_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    # A Responses WebSocket (GET /v1/responses upgraded) is closed after this long (OpenAI's
+    # 60 minutes): websocket_connection_limit_reached, once its response in flight has ended.
+    responses_ws_max_s: float = Field(default=3600.0, gt=0)
     # API keys not revoked (403 beyond).
     tenant_max_keys: int = Field(default=100, ge=0)
 

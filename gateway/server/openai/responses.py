@@ -31,8 +31,16 @@ it does not apply), each streamed event with its sequence_number and whole objec
   output text; service_tier and prompt_cache_key work as on chat completions; usage has
   input_tokens_details.cached_tokens. A background response that ends is announced to the
   tenant's OpenAI webhook endpoint (the binder sends response.completed and the others).
-- Refused by name (400): other tool types, image and file input, `reasoning`, `truncation:
-  auto`, `prompt`; POST /v1/responses/compact is 404."""
+- max_output_tokens reports the cap that applied: the one given, else the gateway's default
+  (512), so a response cut by either (`incomplete_details.reason: max_output_tokens`)
+  names its number.
+- A function_call_output must answer a function_call before it (in the input, the chain or
+  the conversation): 400 naming input[i].call_id otherwise.
+- POST /v1/responses/compact (responses_compact.py) and WebSocket mode (GET /v1/responses
+  upgraded: responses_ws.py) are routes of this router. A `compaction` input item is the
+  summary compact made, kept for the tenant (compactions.py).
+- Refused by name (400): other tool types, image input (no image model serves /v1) and
+  file input, `reasoning`, `truncation: auto`, `prompt`."""
 
 from __future__ import annotations
 
@@ -58,6 +66,7 @@ from gateway.server.api.tenancy import Caller, caller
 from gateway.server.llm import tools as toolcalls
 from gateway.server.openai import common
 from gateway.server.openai.chat import ChatPlan, parameters
+from gateway.server.openai.compactions import CompactionStore
 from gateway.server.openai.response_store import (
     ConversationStore,
     ResponseStore,
@@ -68,6 +77,7 @@ from gateway.server.openai.schemas import (
     INCLUDE_LOGPROBS,
     RESPONSE_TEXT_PARTS,
     CalledFunction,
+    CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     Message,
@@ -223,10 +233,10 @@ def _parts(parts: list[ResponseContentPart], where: str, model: str) -> list[dic
     shaped = []
     for index, part in enumerate(parts):
         if part.type not in RESPONSE_TEXT_PARTS:
-            raise unsupported(
-                f"{where}[{index}].type",
-                f"content of type {part.type} is not supported: {model} reads text only",
-            )
+            why = f"{model} reads text only"
+            if part.type == "input_image":
+                why += ", and no model that reads images is served on /v1"
+            raise unsupported(f"{where}[{index}].type", f"content of type {part.type} is not supported: {why}")
         if part.text is None:
             raise _invalid(f"{where}[{index}].text", f"{where}[{index}].text: a text part needs its text")
         item: dict[str, Any] = {"type": part.type, "text": part.text}
@@ -263,6 +273,8 @@ def items_of(given_items: list[Any], model: str = "this model", param: str = "in
             output = given.output
             shaped = output if isinstance(output, str) else _parts(output, f"{where}.output", model)
             item = {"type": "function_call_output", "call_id": given.call_id, "output": shaped}
+        elif isinstance(given, CompactionItem):
+            item = {"type": "compaction", "encrypted_content": given.encrypted_content}
         else:
             kind = given.type
             why = "give the item itself" if kind == "item_reference" else "this gateway serves function tools only"
@@ -273,7 +285,7 @@ def items_of(given_items: list[Any], model: str = "this model", param: str = "in
     return items
 
 
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "compaction": "cmp"}
 
 
 def with_ids(items: list[dict[str, Any]], request_id: str) -> list[dict[str, Any]]:
@@ -283,7 +295,8 @@ def with_ids(items: list[dict[str, Any]], request_id: str) -> list[dict[str, Any
     for index, item in enumerate(items):
         digest = hashlib.sha256(f"{request_id}:input:{index}".encode()).hexdigest()[:32]
         given = {k: v for k, v in item.items() if k != "id"}
-        found.append({"id": item.get("id") or f"{_ID_PREFIX[item['type']]}_{digest}", **given, "status": "completed"})
+        status = {} if item["type"] == "compaction" else {"status": "completed"}  # (a compaction item has none)
+        found.append({"id": item.get("id") or f"{_ID_PREFIX[item['type']]}_{digest}", **given, **status})
     return found
 
 
@@ -291,13 +304,22 @@ def _text_of(content: str | list[dict[str, Any]]) -> str:
     return content if isinstance(content, str) else "".join(str(part.get("text") or "") for part in content)
 
 
-def chat_messages(items: list[dict[str, Any]]) -> list[Message]:
+# How a compaction item's summary is put to the model: a user message (chat templates
+# take a system message first only).
+SUMMARY_PREFIX = "A summary of the conversation so far:\n"
+
+
+def chat_messages(items: list[dict[str, Any]], summaries: dict[str, str] | None = None) -> list[Message]:
     """Items as chat messages: a function_call joins the assistant message before it (or
-    makes one), a function_call_output is a tool message."""
+    makes one), a function_call_output is a tool message, a compaction item its summary
+    (`summaries`, by encrypted_content) as a user message."""
     shaped: list[dict[str, Any]] = []
     for item in items:
-        kind = item["type"]
-        if kind == "message":
+        kind = item.get("type")
+        if kind == "compaction":
+            summary = (summaries or {}).get(str(item.get("encrypted_content")), "")
+            shaped.append({"role": "user", "content": SUMMARY_PREFIX + summary, "tool_calls": []})
+        elif kind == "message":
             shaped.append({"role": item["role"], "content": _text_of(item["content"]), "tool_calls": []})
         elif kind == "function_call":
             call = ToolCall(id=item["call_id"], function=CalledFunction(name=item["name"], arguments=item["arguments"]))
@@ -489,6 +511,11 @@ def response_object(
         if outcome.status == State.SUCCEEDED and common.finish_reason(outcome) == "length":
             found = "incomplete"
             fields["incomplete_details"] = {"reason": "max_output_tokens"}
+            made = outcome.usage.completion_tokens if outcome.usage else None
+            if made and settings.max_output_tokens and made < settings.max_output_tokens:
+                # Cut before the cap asked: the model's own (its context's room after the
+                # prompt, or its most output tokens) applied, and this is that number.
+                fields["max_output_tokens"] = made
         if found == "completed" and outcome.finished_at is not None:
             fields["completed_at"] = int(outcome.finished_at.timestamp())
         if outcome.error and outcome.status in (State.FAILED, State.EXPIRED):
@@ -599,7 +626,9 @@ def _settings(body: ResponseRequest, tools: list[dict[str, Any]], logprobs: bool
         frequency_penalty=body.frequency_penalty or 0.0,
         top_logprobs=body.top_logprobs or 0,
         logprobs=logprobs,
-        max_output_tokens=body.max_output_tokens,
+        # The cap that applies: the one given, else the gateway's default (a response cut by
+        # either says max_output_tokens, and this says which number it was).
+        max_output_tokens=body.max_output_tokens or common.DEFAULT_MAX_TOKENS,
         text=text,
         metadata=dict(body.metadata or {}),
         user=body.user,
@@ -666,13 +695,45 @@ class Call:
         settings: ResponseSettings,
         items: list[dict[str, Any]],
         chain: list[str],
-        context_bytes: int = 0,
+        context: list[dict[str, Any]] | None = None,
     ) -> None:
         self.native, self.settings, self.items, self.chain = native, settings, items, chain
-        self.context_bytes = context_bytes  # the bytes of the items given before its own
+        self.context = context or []  # the items given before its own (chain or conversation)
+        self.context_bytes = sum(item_bytes(item) for item in self.context)
 
 
-async def response_call(body: ResponseRequest, svc: Services, who: Caller) -> Call:
+def _check_call_ids(context: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """Each function_call_output answers a function_call made before it (in the chain, the
+    conversation or the input), as OpenAI checks."""
+    called = {str(item.get("call_id")) for item in context if item.get("type") == "function_call"}
+    for index, item in enumerate(items):
+        if item["type"] == "function_call":
+            called.add(str(item["call_id"]))
+        elif item["type"] == "function_call_output" and str(item["call_id"]) not in called:
+            raise _invalid(
+                f"input[{index}].call_id",
+                f"input[{index}].call_id: no function call with call_id {item['call_id']} comes before this "
+                "function_call_output (in the input, or the previous response's output)",
+            )
+
+
+async def _summaries(
+    svc: Services, who: Caller, context: list[dict[str, Any]], items: list[dict[str, Any]]
+) -> dict[str, str]:
+    """The summaries the compaction items given name (refused by place when not kept)."""
+    references = [
+        (f"input[{index}].encrypted_content" if index >= 0 else "previous_response_id", str(item["encrypted_content"]))
+        for index, item in [(-1, i) for i in context] + list(enumerate(items))
+        if item.get("type") == "compaction"
+    ]
+    return await CompactionStore(svc).summaries(who.scope, references) if references else {}
+
+
+async def response_call(
+    body: ResponseRequest, svc: Services, who: Caller, previous: list[dict[str, Any]] | None = None
+) -> Call:
+    """The call as a request. `previous`: the items of previous_response_id when the caller
+    holds them (a WebSocket's store: false responses), instead of reading its chain."""
     adapter = common.llm(svc, body.model, chat=True)
     items = input_items(body)
     tools = _tools(body)
@@ -694,7 +755,9 @@ async def response_call(body: ResponseRequest, svc: Services, who: Caller) -> Ca
     context: list[dict[str, Any]] = []
     if body.previous_response_id and settings.conversation:
         raise _invalid("conversation", "previous_response_id and conversation cannot both be given")
-    if body.previous_response_id:
+    if body.previous_response_id and previous is not None:
+        context = previous
+    elif body.previous_response_id:
         chain, context = await _continued(svc, who, body.previous_response_id)
     if settings.conversation:
         if not settings.store:
@@ -703,7 +766,8 @@ async def response_call(body: ResponseRequest, svc: Services, who: Caller) -> Ca
         context = await conversation_items(svc, who, settings.conversation)
     if not items and not context:
         raise _invalid("input", "input must not be empty")
-    messages = chat_messages(context + items)
+    _check_call_ids(context, items)
+    messages = chat_messages(context + items, await _summaries(svc, who, context, items))
     if body.instructions:
         messages.insert(0, Message(role="system", content=body.instructions))
     inputs: dict[str, Any] = {
@@ -747,7 +811,7 @@ async def response_call(body: ResponseRequest, svc: Services, who: Caller) -> Ca
         priority=run_as.priority,
         timeout_s=common.timeout_for(svc, run_as),
     )
-    return Call(request, settings, items, chain, sum(item_bytes(item) for item in context))
+    return Call(request, settings, items, chain, context)
 
 
 # -- the chain of stored responses --------------------------------------------------------------
@@ -1084,6 +1148,29 @@ class ResponseEvents:
             yield self._event(kind or "response.failed", response=final)
 
 
+async def response_events(
+    svc: Services,
+    request_id: str,
+    model: str,
+    settings: ResponseSettings,
+    after: int,
+    *,
+    cancel_on_disconnect: bool,
+    obfuscate: bool = True,
+) -> AsyncIterator[dict[str, Any]]:
+    """A response's events (as JSON objects) after sequence number `after`, read from its
+    request's own events (in Redis): the same for SSE and for a WebSocket."""
+    tpb = common.tokens_per_block(svc, model)
+    # (The time in the request's id: the same in a resumed stream as in the first.)
+    created = int(request_id_time(request_id) or time.time())
+    numbering = ResponseEvents(request_id, model, created, settings, tpb, common.tool_format(svc, model), obfuscate)
+    events = common.follow(svc, request_id) if cancel_on_disconnect else svc.events.follow(request_id, "0-0")
+    async for event in events:
+        for sequence, payload in numbering.of(event):
+            if sequence > after:
+                yield payload
+
+
 async def _stream(
     svc: Services,
     request_id: str,
@@ -1094,18 +1181,41 @@ async def _stream(
     cancel_on_disconnect: bool,
     obfuscate: bool = True,
 ) -> AsyncIterator[ServerSentEvent]:
-    tpb = common.tokens_per_block(svc, model)
-    # (The time in the request's id: the same in a resumed stream as in the first.)
-    created = int(request_id_time(request_id) or time.time())
-    numbering = ResponseEvents(request_id, model, created, settings, tpb, common.tool_format(svc, model), obfuscate)
-    events = common.follow(svc, request_id) if cancel_on_disconnect else svc.events.follow(request_id, "0-0")
-    async for event in events:
-        for sequence, payload in numbering.of(event):
-            if sequence > after:
-                yield ServerSentEvent(data=json.dumps(payload, ensure_ascii=False), event=payload["type"])
+    events = response_events(
+        svc, request_id, model, settings, after, cancel_on_disconnect=cancel_on_disconnect, obfuscate=obfuscate
+    )
+    async for payload in events:
+        yield ServerSentEvent(data=json.dumps(payload, ensure_ascii=False), event=payload["type"])
 
 
 # -- routes -------------------------------------------------------------------------------------
+
+
+async def keep(svc: Services, who: Caller, call: Call, request_id: str, model: str) -> None:
+    """Keep a stored response's settings and input items (and its place in its
+    conversation); nothing for store: false."""
+    settings = call.settings
+    store = ResponseStore(svc)
+    # (An Idempotency-Key's replay names a response already kept: it is not kept again.)
+    if not settings.store or await store.get(who.scope, response_id(request_id)) is not None:
+        return
+    given = with_ids(call.items, request_id)
+    document = {
+        "model": model,
+        "settings": settings.model_dump(),
+        "input": given,
+        "chain": call.chain,
+        "context_bytes": call.context_bytes,
+    }
+    try:
+        if settings.conversation:
+            calls = settings.max_calls if settings.tools else 0
+            entry = response_entry(response_id(request_id), given, f"msg_{request_id}", calls)
+            (document["position"],) = await ConversationStore(svc).append(who.scope, settings.conversation, [entry])
+        await store.put(who.scope, response_id(request_id), document)
+    except Exception:
+        await spine.cancel(svc.jobs, request_id)  # nothing half done: no response without its settings
+        raise
 
 
 @router.post("/responses", summary="Create a response (OpenAI Responses API)")
@@ -1115,26 +1225,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
     settings = call.settings
     (request_id,) = await common.start(svc, who, request, [call.native], flex=common.tier(body.service_tier).flex)
     headers = {"x-request-id": request_id}
-    store = ResponseStore(svc)
-    # (An Idempotency-Key's replay names a response already kept: it is not kept again.)
-    if settings.store and await store.get(who.scope, response_id(request_id)) is None:
-        given = with_ids(call.items, request_id)
-        document = {
-            "model": body.model,
-            "settings": settings.model_dump(),
-            "input": given,
-            "chain": call.chain,
-            "context_bytes": call.context_bytes,
-        }
-        try:
-            if settings.conversation:
-                calls = settings.max_calls if settings.tools else 0
-                entry = response_entry(response_id(request_id), given, f"msg_{request_id}", calls)
-                (document["position"],) = await ConversationStore(svc).append(who.scope, settings.conversation, [entry])
-            await store.put(who.scope, response_id(request_id), document)
-        except Exception:
-            await spine.cancel(svc.jobs, request_id)  # nothing half done: no response without its settings
-            raise
+    await keep(svc, who, call, request_id, body.model)
     tpb = common.tokens_per_block(svc, body.model)
     fmt = common.tool_format(svc, body.model)
     if body.stream:
@@ -1151,16 +1242,6 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
         return JSONResponse(response_object(outcome, settings, tpb, fmt, status=status), headers=headers)
     record = await common.wait_record(svc, who, request_id, call.native.timeout_s or svc.settings.default_timeout_s)
     return JSONResponse(response_object(record, settings, tpb, fmt), headers=headers)
-
-
-@router.post("/responses/compact", summary="Compact a conversation (not supported)")
-async def compact_response(who: Annotated[Caller, Depends(caller)]) -> Any:
-    raise ApiError(
-        404,
-        "unsupported_endpoint",
-        "POST /v1/responses/compact is not supported: this gateway does not compact conversations "
-        "(continue one with previous_response_id, or send it whole as input)",
-    )
 
 
 @router.get("/responses/{response}", summary="Get a response; stream=true resumes its events")
@@ -1269,3 +1350,7 @@ def _without_bytes(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for entry in logprobs
     ]
+
+
+# The routes of compact and WebSocket mode join this router (their modules import this one).
+from gateway.server.openai import responses_compact, responses_ws  # noqa: E402, F401

@@ -326,6 +326,16 @@ class FunctionCallOutputItem(Body):
     status: ItemStatus | None = None
 
 
+class CompactionItem(Body):
+    """A compaction item POST /v1/responses/compact made, given back as input: its
+    encrypted_content names the summary the gateway keeps for the tenant."""
+
+    type: Literal["compaction"]
+    encrypted_content: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    id: ItemId | None = None
+    created_by: str | None = Field(default=None, max_length=256)
+
+
 class OtherInputItem(Body):
     """An input item of any other type (item_reference, reasoning, built-in tools' calls):
     refused by its type (responses.py)."""
@@ -333,7 +343,7 @@ class OtherInputItem(Body):
     type: str = Field(max_length=64)
 
 
-INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "compaction")
 
 
 def _input_item_type(value: Any) -> str:
@@ -345,6 +355,7 @@ ResponseInputItem = Annotated[
     Annotated[ResponseInputMessage, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[CompactionItem, Tag("compaction")]
     | Annotated[OtherInputItem, Tag("other")],
     Discriminator(_input_item_type),
 ]
@@ -422,6 +433,19 @@ class ResponseRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(default=None, ge=1, le=128)
+
+
+class ResponseCompactRequest(Body):
+    """POST /v1/responses/compact: the conversation to compact (input, the chain of
+    previous_response_id, or both)."""
+
+    model: str = Field(max_length=128)
+    input: Text | list[ResponseInputItem] | None = Field(default=None, max_length=MAX_INPUT_ITEMS)
+    instructions: Text | None = None
+    previous_response_id: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    prompt_cache_options: PromptCacheOptions | None = None
+    service_tier: ServiceTier | None = None
 
 
 # -- batches --------------------------------------------------------------------------------
