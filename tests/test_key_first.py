@@ -259,3 +259,17 @@ async def test_the_gateway_still_takes_an_upload_with_its_key(stack) -> None:
         response = await client.post("/v1/files", files={"file": ("a.jsonl", line * 100)}, data={"purpose": "batch"})
         assert response.status_code == 200, response.text
         await client.delete(f"/v1/files/{response.json()['id']}")
+
+
+async def test_an_upload_past_the_tenants_file_quota_is_refused_before_its_body_is_read(stack) -> None:
+    from tests.test_tenants import new_key
+
+    process, url = stack.start_gateway("gateway-upload-quota", TENANT_MAX_FILE_BYTES=str(5 * 1024 * 1024))
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        key = await new_key(stack, "tenant-upload-quota")
+        status_line, rest = await _status_of_declared_upload(port, f"Authorization: Bearer {key}\r\n")
+        assert status_line.split()[1] == b"403", status_line
+        assert b"file_bytes_quota_exceeded" in rest and b"connection: close" in rest.lower()
+    finally:
+        stack.stop(process)

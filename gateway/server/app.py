@@ -41,7 +41,7 @@ from gateway.server.openai import batches, chat, conversations, embeddings, file
 from gateway.server.openai.batch_runner import BatchRunner
 from gateway.server.openai.batches import BatchStore
 from gateway.server.openai.errors import openai_error
-from gateway.server.openai.files import FileStore
+from gateway.server.openai.files import UPLOAD_FRAMING, FileStore, before_upload
 from gateway.server.queue.jobs import JobStore
 from gateway.server.replicas import Replica, ReplicaPool
 from gateway.server.replicas.discovery import replica_discovery
@@ -361,7 +361,9 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         errors=errors,
         max_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
-        # An upload's multipart framing adds a little to the file itself.
-        uploads={"/v1/files": (settings.max_file_bytes + (1 << 20), max(settings.body_timeout_s, 600.0))},
+        # An upload's multipart framing adds a little to the file itself; its quota is checked
+        # before its body is read.
+        uploads={"/v1/files": (settings.max_file_bytes + UPLOAD_FRAMING, max(settings.body_timeout_s, 600.0))},
+        before_body={"/v1/files": before_upload},
         hot=hot,
     )

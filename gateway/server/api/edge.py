@@ -24,7 +24,7 @@ import codecs
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Histogram
@@ -97,6 +97,11 @@ class Edge:
         *,
         metrics: GatewayMetrics,
         errors: ErrorRenderer,
+# A check of a call before its body is read: (the services, the caller, the declared body
+# size or None when it is not declared); raises what the call is refused with.
+BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
+
+
         max_bytes: int,
         body_timeout_s: float,
         uploads: dict[str, tuple[int, float]] | None = None,
@@ -107,6 +112,7 @@ class Edge:
         # The app's services (its settings, the key store): set by its lifespan.
         self.services = services or (lambda: app.state.services)  # type: ignore[attr-defined]
         self.metrics = metrics
+        before_body: dict[str, BeforeBody] | None = None,
         self.errors = errors
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
@@ -119,6 +125,9 @@ class Edge:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+        # Paths whose caller and declared body size are checked before the body is read
+        # (an upload past the tenant's quota is refused before a byte of it is spooled).
+        self.before_body = before_body or {}
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -187,7 +196,10 @@ class Edge:
             declared = headers.get(_CONTENT_LENGTH)
             if declared is not None and declared.isdigit() and int(declared) > max_bytes:
                 raise BodyRefused(413, "payload_too_large", f"request body is over {max_bytes} bytes")
-            refusal = await self._authenticate(scope, headers.get(_AUTHORIZATION))
+            refusal = await self._authenticate(scope, headers.get(_AUTHORIZATION), headers.get(_X_API_KEY))
+            check = self.before_body.get(path) if refusal is None and method == "POST" else None
+            if check is not None:
+                refusal = await self._checked_before_body(scope, check, declared)
             if refusal is not None:
                 if _has_body(headers):
                     # The body was never read: closing the connection after the answer spares
@@ -220,7 +232,20 @@ class Edge:
             return settings.public_metrics
         return path in DOCS_PATHS and settings.public_docs
 
-    async def _authenticate(self, scope: Scope, authorization: bytes | None) -> Response | None:
+    async def _checked_before_body(self, scope: Scope, check: BeforeBody, declared: bytes | None) -> Response | None:
+        """The answer to give instead of reading the body, when the path's check refuses
+        the caller's call at its declared size (None: it goes on)."""
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        try:
+            await check(self.services(), scope["state"]["caller"], size)
+        except Exception as exc:
+            answer = self.errors.of(scope["path"], scope["method"], exc)
+            return answer if answer is not None else self.errors.unexpected(scope["path"], scope["method"], exc)
+        return None
+
+    async def _authenticate(
+        self, scope: Scope, authorization: bytes | None, x_api_key: bytes | None = None
+    ) -> Response | None:
         """Who calls, into the request's state; the answer to give instead when nobody
         (401) or when the key store is away (503); None when the call goes on."""
         svc = self.services()

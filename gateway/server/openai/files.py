@@ -291,6 +291,19 @@ async def upload_file(
     return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
 
 
+# What an upload's multipart framing (boundaries, part headers, the form's other fields)
+# adds to the file itself, at most.
+UPLOAD_FRAMING = 1 << 20
+
+
+async def before_upload(svc: Services, who: Caller, declared: int | None) -> None:
+    """POST /v1/files before a byte of its body is read (the edge calls it): an upload
+    whose declared size, less its framing, would take the tenant past its file quota is
+    refused then, not after the gateway spooled it (checked again on the file's own size)."""
+    size = max(1, declared - UPLOAD_FRAMING) if declared is not None else 1
+    await refuse_over_quota(svc, who.tenant, size)
+
+
 async def refuse_over_quota(svc: Services, tenant: str, size: int) -> None:
     """Refuse (403) an upload of size bytes that would take the tenant past what it may
     store: TENANT_MAX_FILES files or TENANT_MAX_FILE_BYTES bytes (0: no limit; a batch's
