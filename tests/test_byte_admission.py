@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from gateway.protocol import new_request_id
 from gateway.protocol.redis_keys import Shard
-from gateway.server.queue.jobs import Admission, JobStore, NewRequest, as_stored, stored_inputs
+from gateway.server.queue.jobs import Admission, JobStore, NewRequest, inputs_delta, stored_inputs
 from gateway.server.settings import GatewaySettings
 from gateway.server.submission import admission
 from gateway.server.tenants.caller import Caller
@@ -94,11 +94,14 @@ async def test_text_is_counted_as_its_utf8_bytes_not_as_escapes(store: JobStore)
 def test_the_record_keeps_the_inputs_once_in_the_payload() -> None:
     inputs = {"text_input": "a long prompt " * 100}
     stored = {"text_input": inputs["text_input"], "max_tokens": 16}
-    delta = as_stored(inputs, stored)
+    delta = inputs_delta(inputs, stored)
     assert delta == {"set": {"max_tokens": 16}, "drop": []}
     assert stored_inputs({"inputs": inputs, "stored_delta": delta}) == stored
     image = {"image": {"sha256": "ab", "bytes": 3}}
-    assert stored_inputs({"inputs": {"image_b64": "AAAA"}, "stored_delta": as_stored({"image_b64": "AAAA"}, image)}) == image
+    assert (
+        stored_inputs({"inputs": {"image_b64": "AAAA"}, "stored_delta": inputs_delta({"image_b64": "AAAA"}, image)})
+        == image
+    )
 
 
 def test_with_many_shards_a_tenant_is_admitted_its_whole_byte_share() -> None:

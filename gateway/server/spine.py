@@ -46,7 +46,7 @@ from gateway.server.errors import Busy, Conflict, Forbidden, LostPieces
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.queue import scripts
-from gateway.server.queue.jobs import Emitted, Job, JobStore, NewRequest, QueueStanding, TokenEvent, as_stored
+from gateway.server.queue.jobs import Emitted, Job, JobStore, NewRequest, QueueStanding, TokenEvent, inputs_delta
 from gateway.server.settings import GatewaySettings
 from gateway.server.submission import Submission
 from gateway.server.tenants.caller import Caller
@@ -152,7 +152,7 @@ async def accept(
             "stream": body.stream,
             "webhook": body.webhook.model_dump() if body.webhook else None,
             # What the record keeps of the inputs, as a change to them (the inputs once).
-            "stored_delta": as_stored(body.inputs, registry.adapters[model].stored_inputs(item)),
+            "stored_delta": inputs_delta(body.inputs, registry.adapters[model].stored_inputs(item)),
             "priority": body.priority,
             "metadata": body.metadata,
             "prompt_tokens": tokens,

@@ -95,7 +95,7 @@ class Admission:
         }
 
 
-def as_stored(inputs: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any] | None:
+def inputs_delta(inputs: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any] | None:
     """What a request's record keeps of its inputs (the model's `stored_inputs`), as a
     change to them, so that the payload holds a prompt once: None when the record keeps the
     inputs as they are, else the members it sets and those it drops (an image's bytes)."""
@@ -105,7 +105,7 @@ def as_stored(inputs: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any] 
 
 
 def stored_inputs(payload: dict[str, Any]) -> dict[str, Any]:
-    """The inputs a request's record keeps (as_stored, undone)."""
+    """The inputs a request's record keeps (inputs_delta, undone)."""
     if "inputs_stored" in payload:  # a payload submitted before stored_delta: whole
         return payload["inputs_stored"]
     inputs, delta = payload.get("inputs") or {}, payload.get("stored_delta")
