@@ -25,6 +25,8 @@ from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.protocol import ResultRecord
 from gateway.server import spine
+from gateway.server.anthropic import messages as anthropic_messages
+from gateway.server.anthropic.errors import anthropic_error
 from gateway.server.api import admin, events, operations, results, search
 from gateway.server.api.edge import Edge
 from gateway.server.api.errors import ErrorRenderer, install_error_handlers
@@ -339,7 +341,8 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
     errors = ErrorRenderer(
         on_reject=lambda code: metrics.rejected.labels(code).inc(),
         retry_after_s=settings.retry_after_s,
-        renderers={"/v1/": openai_error},  # OpenAI's error body under /v1
+        # OpenAI's error body under /v1, Anthropic's under its Messages API.
+        renderers={"/v1/": openai_error, "/v1/messages": anthropic_error},
     )
     install_error_handlers(app, errors)
     # POST /infer and GET /results/<id>: implemented once (gateway.server.api.hot), served by
@@ -350,6 +353,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
     for module in (results, events, search, operations, admin, chat, embeddings, responses, files, batches):
         app.include_router(module.router)
     app.include_router(conversations.router)
+    app.include_router(anthropic_messages.router)
     app.include_router(ui_router)  # the browser page at /ui (its API calls need a key; the page does not)
     if private_docs:
         add_private_docs(app, settings.docs_ui)

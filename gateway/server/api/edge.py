@@ -8,6 +8,8 @@
   `caller` dependency and the hot routes reuse it: one check a request);
 - limits the body: over max_bytes (declared or streamed) is 413, not arriving within
   body_timeout_s is 408 (slow senders cannot hold a worker); a JSON body must be UTF-8;
+  a body sent with Content-Encoding gzip or zstd is decompressed as it arrives, the limit
+  applying to what it decompresses to (gateway.server.api.content_encoding);
 - adds the headers the calls made for the caller left (x-ratelimit-*);
 - counts it by route template, method and status, times it, and logs one access line;
 - and serves the hot routes, POST /infer and GET /results/<id>, itself
@@ -32,6 +34,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.common.logs import bind_request_ids, clear_request_ids
+from gateway.server.api.content_encoding import Decoder, decoder_for
 from gateway.server.api.errors import BodyRefused, ErrorRenderer
 from gateway.server.api.hot import HotRoutes
 from gateway.server.api.request_id import HEADER, TRACE_HEADER, accepted_trace_id, bind_trace_id
@@ -59,7 +62,9 @@ _REQUEST_ID = HEADER.lower().encode()
 _TRACE_HEADER = TRACE_HEADER.lower().encode()
 _CONTENT_LENGTH = b"content-length"
 _CONTENT_TYPE = b"content-type"
+_CONTENT_ENCODING = b"content-encoding"
 _AUTHORIZATION = b"authorization"
+_X_API_KEY = b"x-api-key"  # Anthropic's clients send the key here
 _TRANSFER_ENCODING = b"transfer-encoding"
 # Paths served without a key: liveness, readiness and the browser page (whose API calls
 # send the key the user types); /metrics and the API documents as settings say.
@@ -90,6 +95,11 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
     return _TRANSFER_ENCODING in headers or (length is not None and length not in (b"0", b""))
 
 
+# A check of a call before its body is read: (the services, the caller, the declared body
+# size or None when it is not declared); raises what the call is refused with.
+BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
+
+
 class Edge:
     def __init__(
         self,
@@ -97,14 +107,10 @@ class Edge:
         *,
         metrics: GatewayMetrics,
         errors: ErrorRenderer,
-# A check of a call before its body is read: (the services, the caller, the declared body
-# size or None when it is not declared); raises what the call is refused with.
-BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
-
-
         max_bytes: int,
         body_timeout_s: float,
         uploads: dict[str, tuple[int, float]] | None = None,
+        before_body: dict[str, BeforeBody] | None = None,
         hot: HotRoutes | None = None,
         services: Callable[[], Services] | None = None,
     ) -> None:
@@ -112,12 +118,14 @@ BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
         # The app's services (its settings, the key store): set by its lifespan.
         self.services = services or (lambda: app.state.services)  # type: ignore[attr-defined]
         self.metrics = metrics
-        before_body: dict[str, BeforeBody] | None = None,
         self.errors = errors
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
         # Paths that take larger bodies (file uploads): path -> (max bytes, body timeout).
         self.uploads = uploads or {}
+        # Paths whose caller and declared body size are checked before the body is read
+        # (an upload past the tenant's quota is refused before a byte of it is spooled).
+        self.before_body = before_body or {}
         self.hot = hot
         self._routes: list[tuple[re.Pattern[str], str]] | None = None
         self._counters: dict[tuple[str, str, int], Counter] = {}
@@ -125,9 +133,6 @@ BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-        # Paths whose caller and declared body size are checked before the body is read
-        # (an upload past the tenant's quota is refused before a byte of it is spooled).
-        self.before_body = before_body or {}
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -141,13 +146,15 @@ BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
         route = self.hot.match(method, path) if self.hot is not None else None
         max_bytes, body_timeout_s = self.uploads.get(path, (self.max_bytes, self.body_timeout_s))
         received = 0
+        decoded = 0  # bytes a compressed body decompressed to so far
+        decoder: Decoder | None = None
         body_done = False
         response_started = False
         utf8 = codecs.getincrementaldecoder("utf-8")() if _is_json(headers.get(_CONTENT_TYPE)) else None
         body_deadline = asyncio.get_running_loop().time() + body_timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal received, body_done
+            nonlocal received, decoded, body_done
             if body_done:  # waiting for a disconnect while the response streams: no limit
                 return await receive()
             try:
@@ -163,6 +170,16 @@ BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
                 if received > max_bytes:
                     raise BodyRefused(413, "payload_too_large", f"request body is over {max_bytes} bytes")
                 body_done = not message.get("more_body", False)
+                if decoder is not None:
+                    chunk = decoder.feed(chunk, max_bytes - decoded)
+                    decoded += len(chunk)
+                    if decoded > max_bytes:
+                        raise BodyRefused(
+                            413, "payload_too_large", f"request body is over {max_bytes} bytes decompressed"
+                        )
+                    if body_done:
+                        decoder.finish()
+                    message = {**message, "body": chunk}
                 if utf8 is not None:
                     try:
                         utf8.decode(chunk, final=body_done)
@@ -206,10 +223,16 @@ BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
                     # the server reading (and discarding) what the client still sends.
                     refusal.headers["connection"] = "close"
                 await refusal(scope, limited_receive, edge_send)
-            elif route is not None and self.hot is not None:
-                await self.hot.handle(route, scope, limited_receive, edge_send)
             else:
-                await self.app(scope, limited_receive, edge_send)
+                # The key first: an encoding not served is refused only to a known caller.
+                decoder = decoder_for(headers.get(_CONTENT_ENCODING))
+                if decoder is not None:  # the routes see the body decompressed, its length unknown
+                    drop = (_CONTENT_ENCODING, _CONTENT_LENGTH)
+                    scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
+                if route is not None and self.hot is not None:
+                    await self.hot.handle(route, scope, limited_receive, edge_send)
+                else:
+                    await self.app(scope, limited_receive, edge_send)
         except BodyRefused as refused:
             if not response_started:
                 answer = self.errors.response(path, refused.status, refused.code, refused.message)
@@ -253,7 +276,9 @@ BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
             return None
         try:
             scope["state"]["caller"] = await identify(
-                svc, authorization.decode("latin-1") if authorization is not None else None
+                svc,
+                authorization.decode("latin-1") if authorization is not None else None,
+                x_api_key.decode("latin-1") if x_api_key is not None else None,
             )
         except Exception as exc:
             answer = self.errors.of(scope["path"], scope["method"], exc)

@@ -1,7 +1,7 @@
-"""Who is calling: `Authorization: Bearer <API key>` names a key, the key a tenant and a
-role. Every object of a request belongs to the caller's tenant; another tenant's objects
-read as unknown (404), so their existence does not leak. A missing, wrong or revoked key
-is 401. With AUTH_ENABLED=false every caller is the default tenant, as an operator: the
+"""Who is calling: `Authorization: Bearer <API key>` (or Anthropic's `x-api-key: <API key>`)
+names a key, the key a tenant and a role. Every object of a request belongs to the caller's
+tenant; another tenant's objects read as unknown (404), so their existence does not leak.
+A missing, wrong or revoked key is 401. With AUTH_ENABLED=false every caller is the default tenant, as an operator: the
 settings allow it only with the gateway bound to loopback (local tools).
 
 Admin calls: an `admin` key manages its own tenant only (another tenant reads as unknown,
@@ -31,13 +31,19 @@ def bearer(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def identify(svc: Services, authorization: str | None) -> Caller:
-    """Who makes a call with this Authorization header (ApiError 401 when nobody)."""
+async def identify(svc: Services, authorization: str | None, x_api_key: str | None = None) -> Caller:
+    """Who makes a call with this Authorization header, else this x-api-key header (how
+    Anthropic's clients send the key); ApiError 401 when nobody."""
     if not svc.settings.auth_enabled:
         return Caller(role="operator", config=await svc.tenants.get(DEFAULT_TENANT))
-    token = bearer(authorization)
+    token = bearer(authorization) or (x_api_key or "").strip() or None
     if token is None:
-        raise ApiError(401, "missing_api_key", "send your API key as `Authorization: Bearer <key>`", headers=_CHALLENGE)
+        raise ApiError(
+            401,
+            "missing_api_key",
+            "send your API key as `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
+            headers=_CHALLENGE,
+        )
     info = await svc.keys.verify(token)
     if info is None:
         raise ApiError(401, "invalid_api_key", "the API key is not valid (unknown or revoked)", headers=_CHALLENGE)
@@ -52,7 +58,7 @@ async def caller(request: Request) -> Caller:
         return known
     from gateway.server.services import services
 
-    who = await identify(services(request), request.headers.get("authorization"))
+    who = await identify(services(request), request.headers.get("authorization"), request.headers.get("x-api-key"))
     request.state.caller = who  # the edge adds the headers its calls leave (x-ratelimit-*)
     return who
 

@@ -14,6 +14,7 @@ class StopMatcher:
         self.stops = [stop for stop in stops if stop]
         self.held = ""  # text not given out yet: its end may begin a stop sequence
         self.stopped = False
+        self.matched: str | None = None  # the stop sequence that ended the text
 
     def feed(self, text: str) -> str:
         """New generated text in; the text that may be given out now. Once a stop sequence
@@ -24,9 +25,10 @@ class StopMatcher:
         if not self.stops:
             out, self.held = self.held, ""
             return out
-        found = [at for at in (self.held.find(stop) for stop in self.stops) if at >= 0]
+        found = [(at, stop) for stop in self.stops if (at := self.held.find(stop)) >= 0]
         if found:
-            out, self.held, self.stopped = self.held[: min(found)], "", True
+            at, self.matched = min(found)
+            out, self.held, self.stopped = self.held[:at], "", True
             return out
         if self._may_begin_stop(self.held):
             return ""

@@ -324,6 +324,8 @@ class EngineRun(Run):
         p = self.prepared
         length = len(self.generated) >= p.max_tokens and not self.stops.stopped
         outputs: dict[str, Any] = {"text_output": self.text, "finish_reason": "length" if length else "stop"}
+        if self.stops.matched is not None:  # which one (Anthropic's stop_sequence says)
+            outputs["stop_sequence"] = self.stops.matched
         if p.parameters.logprobs:
             outputs["logprobs"] = self.logprobs[: len(self.generated)]
         return outputs, self.adapter.usage(p, len(self.generated), self.reused_blocks)

@@ -1,0 +1,449 @@
+"""POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API.
+
+A call is mapped onto the chat path (gateway.server.openai.chat) and becomes one ordinary
+durable request there: its id (`msg_<request id>`, and the `request-id` header), its
+Idempotency-Key, quotas, tenant and resumption are those of every request; `api` in its
+record's metadata says `messages`.
+
+- system, and messages of text, tool_use and tool_result blocks, become chat messages
+  (a tool_result one `tool` message, before the user's text; one marked is_error is
+  sent to the model prefixed `Error: `); a final assistant message (a prefill for the
+  model to continue) is refused: the chat template opens a new turn after it.
+- tools are offered as functions (input_schema their parameters); tool_choice auto,
+  any (a call forced by guided decoding), tool (that one, forced), none;
+  disable_parallel_tool_use keeps the first call.
+- stop_sequences are the chat path's stop words (the one that stopped the text is
+  `stop_sequence`); temperature, top_p and top_k its sampling (temperature 0 is greedy);
+  metadata.user_id its `user`.
+- Streamed, Anthropic's events: message_start, ping, content_block_start/delta/stop
+  (text_delta; a tool_use block's input in one input_json_delta, as a call is read
+  whole), message_delta (stop reason and usage: the input tokens come here, counted
+  when the request ran; message_start says 0), message_stop. A request that fails
+  mid-stream ends the stream with an `error` event; a client that goes away cancels it.
+- The key comes as `x-api-key` (or `Authorization: Bearer`); `anthropic-version`, when
+  sent, must be a date from 2023-06-01 on (the `anthropic` package sends its own);
+  `anthropic-beta` asks for nothing served here and is not read. Errors are Anthropic's
+  body (gateway.server.anthropic.errors)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sse_starlette import ServerSentEvent
+
+from gateway.protocol import ResultRecord, State
+from gateway.server.anthropic.schemas import ContentBlock, CountTokensRequest, MessagesRequest
+from gateway.server.api.errors import ApiError, validation_message
+from gateway.server.api.sse import EventStream
+from gateway.server.api.tenancy import Caller, caller
+from gateway.server.llm import tools as toolcalls
+from gateway.server.models import InvalidInput
+from gateway.server.models.base import off_the_loop_if_long
+from gateway.server.openai import chat, common
+from gateway.server.openai.schemas import ChatCompletionRequest, refuse_unsupported, unsupported
+from gateway.server.services import Services, services
+
+# anthropic-version: a date, 2023-06-01 (the Messages API's first) or later. Later versions
+# add fields and parameters; the answers keep the shapes every version reads, and a
+# parameter a version adds is refused by name like any other not served.
+FIRST_VERSION = "2023-06-01"
+VERSION_HEADER = "anthropic-version"
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+API_LABEL = "messages"
+
+
+def anthropic_version(request: Request) -> str:
+    """The call's anthropic-version (2023-06-01 where none is sent); one that is not a date
+    from 2023-06-01 on is refused."""
+    version = request.headers.get(VERSION_HEADER)
+    if version is None:
+        return FIRST_VERSION
+    if not _DATE.fullmatch(version) or version < FIRST_VERSION:
+        raise ApiError(
+            400,
+            "invalid_anthropic_version",
+            f"{VERSION_HEADER}: {version!r} is not a version this API speaks: use {FIRST_VERSION} or later",
+        )
+    return version
+
+
+router = APIRouter(prefix="/v1", tags=["Anthropic"], dependencies=[Depends(anthropic_version)])
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, "invalid_request", f"{param}: {message}", details={"param": param})
+
+
+def _text_of(blocks: list[ContentBlock], where: str) -> str:
+    """The text of a list of blocks that may hold text only."""
+    parts = []
+    for index, block in enumerate(blocks):
+        if block.type != "text":
+            raise unsupported(
+                f"{where}[{index}].type", f"content blocks of type {block.type} are not supported here: text only"
+            )
+        if block.text is None:
+            raise _invalid(f"{where}[{index}].text", "a text block needs its text")
+        parts.append(block.text)
+    return "\n".join(parts)
+
+
+def _message(role: str, blocks: list[ContentBlock], where: str) -> list[dict[str, Any]]:
+    """The chat messages of one Anthropic message made of blocks."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for index, block in enumerate(blocks):
+        param = f"{where}.content[{index}]"
+        if block.type == "text":
+            if block.text is None:
+                raise _invalid(f"{param}.text", "a text block needs its text")
+            texts.append(block.text)
+        elif block.type == "tool_use":
+            if role != "assistant":
+                raise _invalid(f"{param}.type", "tool_use blocks are the assistant's")
+            if block.id is None or block.name is None:
+                raise _invalid(param, "a tool_use block needs its id and name")
+            arguments = json.dumps(block.input or {}, ensure_ascii=False)
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif block.type == "tool_result":
+            if role != "user":
+                raise _invalid(f"{param}.type", "tool_result blocks are the user's")
+            if block.tool_use_id is None:
+                raise _invalid(f"{param}.tool_use_id", "a tool_result block needs the tool_use_id it answers")
+            content = block.content if isinstance(block.content, str) else None
+            if isinstance(block.content, list):
+                content = _text_of(block.content, f"{param}.content")
+            text = content or ""
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.tool_use_id,
+                    "content": f"Error: {text}" if block.is_error else text,
+                }
+            )
+        else:
+            raise unsupported(
+                f"{param}.type",
+                f"content blocks of type {block.type} are not supported: these models read text "
+                "(text, tool_use and tool_result blocks)",
+            )
+    text = "\n".join(texts)
+    if role == "assistant":
+        if not text and not calls:
+            raise _invalid(f"{where}.content", "an assistant message needs text or tool_use blocks")
+        return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+    if not text and not results:
+        raise _invalid(f"{where}.content", "a user message needs text or tool_result blocks")
+    return [*results, *([{"role": "user", "content": text}] if text else [])]
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    if body.system is not None:
+        system = body.system if isinstance(body.system, str) else _text_of(body.system, "system")
+        if system:
+            found.append({"role": "system", "content": system})
+    for index, message in enumerate(body.messages):
+        where = f"messages[{index}]"
+        if isinstance(message.content, str):
+            found.append({"role": message.role, "content": message.content})
+        else:
+            found += _message(message.role, message.content, where)
+    if body.messages[-1].role == "assistant":
+        raise unsupported(
+            f"messages[{len(body.messages) - 1}].role",
+            "a final assistant message (a prefill to continue) is not supported: the chat template opens a new "
+            "turn after it; end with a user message",
+        )
+    return found
+
+
+def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completion an Anthropic call is."""
+    if body.thinking is not None and body.thinking.type != "disabled":
+        raise unsupported("thinking", "extended thinking is not supported: these models do not reason")
+    data: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}  # (blocks by their type first)
+    refuse_unsupported(body, API_LABEL)
+    tools = []
+    for index, tool in enumerate(body.tools or []):
+        if tool.type not in (None, "custom"):
+            raise unsupported(
+                f"tools[{index}].type",
+                f"tools of type {tool.type} (Anthropic's server tools) are not supported: give client tools "
+                "(name, description, input_schema)",
+            )
+        if tool.input_schema is None:
+            raise _invalid(f"tools[{index}].input_schema", "a tool needs its input_schema")
+        function = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    if tools:
+        data["tools"] = tools
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if choice.name is None:
+                raise _invalid("tool_choice.name", "tool_choice of type tool names the tool")
+            data["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            data["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            data["parallel_tool_calls"] = False
+    if isinstance(body, MessagesRequest):
+        data["max_tokens"] = body.max_tokens
+        data["stream"] = bool(body.stream)
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(body, name) is not None:
+                data[name] = getattr(body, name)
+        if body.stop_sequences:
+            data["stop"] = body.stop_sequences
+        if body.metadata is not None and body.metadata.user_id:
+            data["user"] = body.metadata.user_id
+    else:
+        data["max_tokens"] = 1
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:  # what Anthropic's body allows and the chat path's does not
+        raise ApiError(400, "invalid_request", validation_message(list(exc.errors()))) from None
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def tool_use_id(request_id: str, index: int) -> str:
+    """A tool_use block's id: stable for the request (the stream and the record agree)."""
+    return "toolu_" + common.call_id(request_id, index).removeprefix("call_")
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's input object (a call cut by max_tokens, not valid JSON: {})."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stop_of(record: ResultRecord, called: bool) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence of a finished request."""
+    if common.finish_reason(record) == "length":
+        return "max_tokens", None  # (a call cut by max_tokens too)
+    if called:
+        return "tool_use", None
+    sequence = (record.outputs or {}).get("stop_sequence")
+    return ("stop_sequence", str(sequence)) if sequence else ("end_turn", None)
+
+
+def usage_of(record: ResultRecord, tpb: int) -> dict[str, Any]:
+    """Anthropic's usage: input_tokens are those not read from the prefix cache."""
+    prompt = record.usage.prompt_tokens if record.usage else 0
+    cached = common.cached_tokens(record, tpb)
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": record.usage.completion_tokens if record.usage else 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "service_tier": "standard",
+    }
+
+
+def message_of(record: ResultRecord, model: str, plan: chat.ChatPlan, tpb: int) -> dict[str, Any]:
+    content, calls = chat.read_calls((record.outputs or {}).get("text_output", ""), plan)
+    calls = calls if plan.parallel else calls[:1]
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    for index, call in enumerate(calls):
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": tool_use_id(record.request_id, index),
+                "name": call.name,
+                "input": tool_input(call.arguments),
+            }
+        )
+    stop_reason, stop_sequence = stop_of(record, bool(calls))
+    return {
+        "id": f"msg_{record.request_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": usage_of(record, tpb),
+    }
+
+
+@router.post("/messages", summary="Create a message (Anthropic)")
+async def create_message(body: MessagesRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
+    svc = services(request)
+    asked = chat_body(body)
+    natives = chat.chat_request(asked, svc, common.idempotency_key(request))
+    natives = [n.model_copy(update={"metadata": {**n.metadata, "api": API_LABEL}}) for n in natives]
+    request_ids = await common.start(svc, who, request, natives)
+    request_id = request_ids[0]
+    headers = {"x-request-id": request_id, "request-id": request_id}
+    tpb = common.tokens_per_block(svc, body.model)
+    plan = chat.chat_plan(asked, common.tool_format(svc, body.model))
+    if body.stream:
+        stream = MessageStream(request_id, body.model, plan, tpb)
+        return EventStream(stream.events(svc), ping=svc.settings.sse_ping_s, headers=headers)
+    timeout = natives[0].timeout_s or svc.settings.default_timeout_s
+    record = await common.wait_record(svc, who, request_id, timeout)
+    common.raise_for_record(record)
+    return JSONResponse(message_of(record, body.model, plan, tpb), headers=headers)
+
+
+@router.post("/messages/count_tokens", summary="Count a message's tokens (Anthropic)")
+async def count_tokens(
+    body: CountTokensRequest, request: Request, who: Annotated[Caller, Depends(caller)]
+) -> dict[str, int]:
+    """The prompt's tokens as the model reads it (its chat template, the tools offered):
+    what the call's input_tokens would be before the prefix cache. Nothing runs."""
+    svc = services(request)
+    native = chat.chat_request(chat_body(body), svc)[0]
+    adapter = svc.registry.get(body.model)
+
+    def count() -> int:
+        return adapter.prompt_tokens(adapter.validate(native.inputs, native.parameters)) or 0
+
+    try:
+        tokens = await off_the_loop_if_long(native.inputs, count)
+    except InvalidInput as exc:
+        details = exc.details if isinstance(exc.details, dict) else {}
+        if exc.code == "prompt_too_long" and isinstance(details.get("prompt_tokens"), int):
+            return {"input_tokens": details["prompt_tokens"]}  # counted, if too long to run
+        raise ApiError(400, exc.code, exc.message) from None
+    return {"input_tokens": tokens}
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+
+def _event(kind: str, data: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(event=kind, data=json.dumps({"type": kind, **data}, ensure_ascii=False))
+
+
+class MessageStream:
+    """Anthropic's events of a streamed message, from its request's events."""
+
+    def __init__(self, request_id: str, model: str, plan: chat.ChatPlan, tpb: int) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.plan = plan
+        self.tpb = tpb
+        self.parser = (
+            toolcalls.StreamParser(plan.tool_format, tools=plan.tools) if plan.tools and not plan.forced else None
+        )
+        self.held = ""  # a forced call's text, read whole at the end
+        self.blocks = 0  # content blocks started
+        self.text_open = False  # the last block started is a text block not stopped yet
+        self.calls = 0
+
+    def _stop_text(self) -> list[ServerSentEvent]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [_event("content_block_stop", {"index": self.blocks - 1})]
+
+    def _text(self, text: str) -> list[ServerSentEvent]:
+        if not text:
+            return []
+        events = []
+        if not self.text_open:
+            events.append(
+                _event("content_block_start", {"index": self.blocks, "content_block": {"type": "text", "text": ""}})
+            )
+            self.blocks += 1
+            self.text_open = True
+        events.append(
+            _event("content_block_delta", {"index": self.blocks - 1, "delta": {"type": "text_delta", "text": text}})
+        )
+        return events
+
+    def _call(self, call: toolcalls.ToolCall) -> list[ServerSentEvent]:
+        if not self.plan.parallel and self.calls:
+            return []
+        events = self._stop_text()
+        index = self.blocks
+        block = {"type": "tool_use", "id": tool_use_id(self.request_id, self.calls), "name": call.name, "input": {}}
+        partial = json.dumps(tool_input(call.arguments), ensure_ascii=False)
+        events += [
+            _event("content_block_start", {"index": index, "content_block": block}),
+            _event(
+                "content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": partial}}
+            ),
+            _event("content_block_stop", {"index": index}),
+        ]
+        self.blocks += 1
+        self.calls += 1
+        return events
+
+    def _items(self, items: list[str | toolcalls.ToolCall]) -> list[ServerSentEvent]:
+        events: list[ServerSentEvent] = []
+        for item in items:
+            events += self._text(item) if isinstance(item, str) else self._call(item)
+        return events
+
+    def on_token(self, text: str) -> list[ServerSentEvent]:
+        if self.plan.forced:
+            self.held += text
+            return []
+        if self.parser is not None:
+            return self._items(self.parser.feed(text))
+        return self._text(text)
+
+    def on_end(self, record: ResultRecord) -> list[ServerSentEvent]:
+        events: list[ServerSentEvent] = []
+        if self.parser is not None:
+            events += self._items(self.parser.finish())
+        if self.plan.forced:
+            _, calls = chat.read_calls(self.held, self.plan)
+            events += self._items([*calls])
+        events += self._stop_text()
+        stop_reason, stop_sequence = stop_of(record, self.calls > 0)
+        usage = usage_of(record, self.tpb)
+        usage.pop("service_tier")
+        events.append(
+            _event(
+                "message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage}
+            )
+        )
+        events.append(_event("message_stop", {}))
+        return events
+
+    async def events(self, svc: Services) -> AsyncIterator[ServerSentEvent]:
+        start: dict[str, Any] = {
+            "id": f"msg_{self.request_id}",
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        yield _event("message_start", {"message": start})
+        yield _event("ping", {})
+        async for _, event in common.follow_all(svc, [self.request_id]):
+            if event.kind == "token":
+                for item in self.on_token(common.token_text(event)):
+                    yield item
+            elif event.terminal:
+                record = common.record_of(event)
+                if record.status != State.SUCCEEDED:
+                    message = record.error.message if record.error else f"the request was {record.status.value}"
+                    code = record.error.code if record.error else record.status.value
+                    error = {"type": "api_error", "message": message, "code": code}
+                    yield _event("error", {"error": error})
+                    return
+                for item in self.on_end(record):
+                    yield item
+                return
