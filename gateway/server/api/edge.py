@@ -1,7 +1,8 @@
 """The gateway's one ASGI middleware, in front of the FastAPI app. For every HTTP call it:
 
 - takes the X-Request-ID (from nginx or the client, when sane; else a new one), binds it
-  into the log context as `trace_id`, and returns it (gateway.server.api.request_id);
+  into the log context as `trace_id`, and returns it (gateway.server.api.request_id); takes
+  a W3C `traceparent` as the parent of the call's spans (gateway.common.tracing);
 - checks the API key of every path but the public ones, from the headers, before a byte of
   the body is read (a caller without a valid key cannot make the gateway parse its JSON or
   spool its upload), and keeps who calls in the request's state for the routes (the
@@ -33,6 +34,7 @@ from prometheus_client import Counter, Histogram
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.common import tracing
 from gateway.common.logs import bind_request_ids, clear_request_ids
 from gateway.server.api.content_encoding import Decoder, decoder_for
 from gateway.server.api.errors import BodyRefused, ErrorRenderer
@@ -61,6 +63,7 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"
 _REQUEST_ID = HEADER.lower().encode()
 _TRACE_HEADER = TRACE_HEADER.lower().encode()
 _CONTENT_LENGTH = b"content-length"
+_TRACEPARENT = tracing.HEADER.encode()
 _CONTENT_TYPE = b"content-type"
 _CONTENT_ENCODING = b"content-encoding"
 _AUTHORIZATION = b"authorization"
@@ -137,6 +140,7 @@ class Edge:
             return
         headers = dict(scope["headers"])
         trace_id = accepted_trace_id(headers.get(_REQUEST_ID))
+        untrace = tracing.take(headers.get(_TRACEPARENT))  # the client's W3C trace context
         reset = bind_trace_id(trace_id)
         bind_request_ids(trace_id=trace_id)
         started = time.perf_counter()
@@ -246,6 +250,8 @@ class Edge:
                 access_log.log(level, "%s %s %d %.1fms", method, loggable_path(scope), status, elapsed_ms)
             clear_request_ids()
             reset()
+            if untrace is not None:
+                untrace()
 
     def public(self, path: str, settings: GatewaySettings) -> bool:
         """Whether a path is served without a key."""
