@@ -39,7 +39,16 @@ from gateway.server.dispatch.sweeper import Sweeper
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.models.inputs import limit_image_pixels
-from gateway.server.openai import batches, chat, conversations, embeddings, files, responses
+from gateway.server.openai import (
+    batches,
+    chat,
+    conversations,
+    embeddings,
+    files,
+    responses,
+    responses_compact,
+    responses_ws,
+)
 from gateway.server.openai.batch_runner import BatchRunner
 from gateway.server.openai.batches import BatchStore
 from gateway.server.openai.errors import openai_error
@@ -350,7 +359,8 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
     # their place) and the router's 405s and redirects.
     hot = HotRoutes(lambda: app.state.services, errors)
     hot.declare(app)
-    for module in (results, events, search, operations, admin, chat, embeddings, responses, files, batches):
+    modules = (results, events, search, operations, admin, chat, embeddings, responses, responses_compact, responses_ws)
+    for module in (*modules, files, batches):
         app.include_router(module.router)
     app.include_router(conversations.router)
     app.include_router(anthropic_messages.router)

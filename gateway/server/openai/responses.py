@@ -37,7 +37,7 @@ it does not apply), each streamed event with its sequence_number and whole objec
 - A function_call_output must answer a function_call before it (in the input, the chain or
   the conversation): 400 naming input[i].call_id otherwise.
 - POST /v1/responses/compact (responses_compact.py) and WebSocket mode (GET /v1/responses
-  upgraded: responses_ws.py) are routes of this router. A `compaction` input item is the
+  upgraded: responses_ws.py) are routers of their own beside this one. A `compaction` input item is the
   summary compact made, kept for the tenant (compactions.py).
 - Refused by name (400): other tool types, image input (no image model serves /v1) and
   file input, `reasoning`, `truncation: auto`, `prompt`."""
@@ -1351,6 +1351,3 @@ def _without_bytes(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for entry in logprobs
     ]
 
-
-# The routes of compact and WebSocket mode join this router (their modules import this one).
-from gateway.server.openai import responses_compact, responses_ws  # noqa: E402, F401

@@ -17,14 +17,14 @@ import json
 import time
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai import common
 from gateway.server.openai.compactions import CompactionStore, new_compaction
-from gateway.server.openai.responses import response_call, response_id, router, with_ids
+from gateway.server.openai.responses import response_call, response_id, with_ids
 from gateway.server.openai.schemas import ResponseCompactRequest, ResponseRequest, refuse_unsupported
 from gateway.server.services import services
 
@@ -34,6 +34,8 @@ INSTRUCTION = (
     "Summarize the conversation above so that it can be continued from the summary alone: keep the facts, "
     "names, numbers, decisions and open tasks. Write only the summary."
 )
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 
 def _summarising_request(body: ResponseCompactRequest) -> ResponseRequest:

@@ -30,7 +30,7 @@ import json
 import logging
 from typing import Any
 
-from fastapi import WebSocket
+from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect
 
@@ -45,7 +45,6 @@ from gateway.server.openai.responses import (
     request_id_of,
     response_call,
     response_events,
-    router,
     settings_of_record,
     with_ids,
 )
@@ -59,6 +58,8 @@ PATH = "/v1/responses"
 _ERRORS = ErrorRenderer(renderers={"/v1/": openai_error})
 # Fields of POST /v1/responses that a response.create does not take.
 _REFUSED = {"background": "background is not supported over a WebSocket: every response streams on the socket"}
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 
 def error_event(status: int, code: str, message: str, details: Any = None) -> dict[str, Any]:
