@@ -10,7 +10,9 @@ event (from sending the request); `total (client)` to the end of the stream.
 The stages (spans, gateway.common.tracing): accept (validation, token counting, quotas,
 SUBMIT), accept.tokenize, accept.quotas, submit, start (submission until a process started
 it), run, replica.call, replica.first_response (the call until Triton's first response),
-finish, binder.store (read from the results stream until stored and acknowledged).
+emit.first_event (the call until the first token event is in Redis), finish, binder.store
+(read from the results stream until stored and acknowledged). A stage's share of `first
+byte (client)` not in these spans is the SSE hub reading the event and the HTTP send.
 
 Run:  .venv/bin/python -m bench.trace_breakdown                 (its own stack; a few minutes)
       .venv/bin/python -m bench.trace_breakdown --rounds 1 --seconds 1 --starts 1,8   (a smoke run)
@@ -50,6 +52,7 @@ STAGES = [
     "run",
     "replica.call",
     "replica.first_response",
+    "emit.first_event",
     "finish",
     "binder.store",
 ]

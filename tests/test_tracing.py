@@ -46,6 +46,7 @@ GATEWAY_STAGES = {
     "run",
     "replica.call",
     "replica.first_response",
+    "emit.first_event",
     "finish",
 }
 
@@ -188,6 +189,7 @@ async def test_the_run_continues_the_trace_carried_in_the_request(traced_request
     assert spans["start"].parent == spans["run"].parent == spans["finish"].parent == accept
     assert spans["replica.call"].parent == spans["run"].span_id
     assert spans["replica.first_response"].parent == spans["replica.call"].span_id
+    assert spans["emit.first_event"].parent == spans["replica.call"].span_id
 
 
 async def test_the_binders_span_joins_the_same_trace(traced_request) -> None:

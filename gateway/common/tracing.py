@@ -10,8 +10,9 @@ Its spans, in the order the request lives them (names as exported):
     run                     the run, in whichever process took it (spine.run)
       replica.call          the call to the Triton replica (dispatch/runner.py); Triton gets
         replica.first_response  the call's `traceparent` (gRPC metadata), so Triton's own
-                            OpenTelemetry spans join the trace; first_response ends at the
-                            replica's first response
+        emit.first_event    OpenTelemetry spans join the trace; first_response ends at the
+                            replica's first response, first_event when the first token
+                            event is in Redis (dispatch/emitter.py)
     finish                  FINISH (spine.finish)
     binder.store            the binder storing the result (binder/archive.py)
 

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from gateway.common import tracing
 from gateway.common.redis import waits_for_redis
 from gateway.server.dispatch.relay import TokenRelay
 from gateway.server.errors import LostPieces, StaleRun
@@ -80,7 +81,10 @@ class TokenEmitter:
         try:
             while self.total > self.sent and time.monotonic() >= self._retry_at:
                 try:
-                    await self.flush(urgent=self.sent == self.first_index)  # the first event: at once
+                    first = self.sent == self.first_index
+                    await self.flush(urgent=first)  # the first event: at once
+                    if first:
+                        tracing.mark("emit.first_event")  # from the replica call's start (its span)
                     self._retry_s = 0.0
                 except Exception as exc:
                     if not waits_for_redis(exc):
