@@ -262,3 +262,15 @@ def test_a_tenant_over_its_requests_per_minute_gets_anthropics_rate_limit_error(
         limited.messages.create(model="llm_echo", messages=HELLO, max_tokens=5)
     assert refused.value.body["error"]["type"] == "rate_limit_error"
     assert refused.value.body["error"]["code"] == "rate_limited"
+
+
+def test_cache_control_is_accepted_and_asks_for_nothing(client) -> None:
+    cached = {"type": "ephemeral"}
+    message = client.messages.create(
+        model="llm_echo",
+        system=[{"type": "text", "text": SYSTEM, "cache_control": cached}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say hello.", "cache_control": cached}]}],
+        max_tokens=200,
+        cache_control=cached,
+    )
+    assert message.content[0].text == RENDERED
