@@ -127,6 +127,8 @@ def chaos(stack, tmp_path_factory):
 BODIES = [
     {"model": "llm_synthetic", "inputs": {"text_input": "chaos stream", "max_tokens": 30}, "stream": True},
     {"model": "text_embed", "inputs": {"text": "a sentence to embed"}},
+    # Many inputs, one request: one record, one document, a vector in the index per input.
+    {"model": "text_embed", "inputs": {"text": ["chaos one", "chaos two", "chaos three"]}},
     {"model": "llm", "inputs": {"text_input": "Hello", "max_tokens": 6}},
     {"model": "llm_echo", "inputs": {"text_input": "echo 👋 世界 é", "max_tokens": 60}, "stream": True},
 ]
@@ -232,9 +234,11 @@ async def _check_tokens(redis: aioredis.Redis, request_id: str, record: dict) ->
 async def _index_matches_the_store(chaos: ChaosStack) -> None:
     mongo: AsyncMongoClient = AsyncMongoClient(chaos.mongo_url)
     try:
-        embeddings = await mongo["triton_gateway"]["results"].count_documents(
-            {"model": "text_embed", "status": "succeeded"}
-        )
+        embeddings = 0  # a vector per input: a many-input request's document holds several
+        stored = mongo["triton_gateway"]["results"].find({"model": "text_embed", "status": "succeeded"}, {"outputs": 1})
+        async for document in stored:
+            vectors = (document.get("outputs") or {}).get("embedding")
+            embeddings += int(vectors["shape"][0]) if isinstance(vectors, dict) else 1
     finally:
         await mongo.close()
     deadline = time.monotonic() + 30
