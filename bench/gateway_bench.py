@@ -42,7 +42,7 @@ load is spread over them in turn.
 Run:  .venv/bin/python -m bench.gateway_bench            (starts its own local stack)
       .venv/bin/python -m bench.gateway_bench --rates 50,200 --slice 4 --rounds 2 --clients 64
       .venv/bin/python -m bench.gateway_bench --sections relay --streams 200
-      .venv/bin/python -m bench.gateway_bench --sections many --many-inputs 64 --many-clients 4
+      .venv/bin/python -m bench.gateway_bench --sections many --many-inputs 1,64,256 --many-model clip_text
       .venv/bin/python -m bench.gateway_bench --gateway-url http://127.0.0.1:8080 --triton-url 127.0.0.1:8001 \
           --api-key "$(cat .stack/api_key)" --tokenizer-dir .stack/models/SmolLM2-135M-Instruct
 """
@@ -640,7 +640,16 @@ async def section_many(args: argparse.Namespace, triton: triton_aio.InferenceSer
     """Many-input /v1/embeddings calls (one request each): the gateway's CPU per input. A slow
     model (MiniLM on a small CPU) leaves few calls a second, so the gateway's idle CPU (its
     loops and probes, measured first over as long a window) is also subtracted: `net`."""
-    model, texts = args.many_model, many_texts(args.many_inputs)
+    lines: list[str] = []
+    for count in args.many_inputs:
+        lines += await _many(args, triton, http, count)
+    return lines
+
+
+async def _many(
+    args: argparse.Namespace, triton: triton_aio.InferenceServerClient, http: Gateways, count: int
+) -> list[str]:
+    model, texts = args.many_model, many_texts(count)
     config = await triton.get_model_config(adapter(model).triton_model, as_json=True)
     max_batch = max(1, int(config.get("config", {}).get("max_batch_size", 1)))
     calls = {
@@ -659,7 +668,8 @@ async def section_many(args: argparse.Namespace, triton: triton_aio.InferenceSer
             cpu = http.cpu_seconds if mode != "direct" else (lambda: 0.0)
             totals[mode].add(await closed_loop(call, args.many_clients, args.slice, cpu))
     lines = [
-        f"Many-input calls, `{model}`, {args.many_inputs} inputs a call (Triton's max_batch_size {max_batch}), "
+        "",
+        f"Many-input calls, `{model}`, {count} inputs a call (Triton's max_batch_size {max_batch}), "
         f"{args.many_clients} concurrent calls, {args.rounds} x {args.slice:g} s per mode; the gateway idle: "
         f"{idle_rate * 1000:.1f} ms of CPU a second:",
         "",
@@ -671,10 +681,10 @@ async def section_many(args: argparse.Namespace, triton: triton_aio.InferenceSer
         cells = ["", "", ""]
         if s.served and s.cpu_s:
             net_s = max(0.0, s.cpu_s - idle_rate * s.ended)
-            inputs = s.served * args.many_inputs
+            inputs = s.served * count
             cells = [f"{s.cpu_s * 1e6 / inputs:.1f}", f"{net_s * 1e3 / s.served:.2f}", f"{net_s * 1e6 / inputs:.1f}"]
         lines.append(row(mode, len(s.latencies), sum(s.errors.values()), f"{s.rate:.1f}",
-                         f"{s.rate * args.many_inputs:.0f}", f"{s.pct(50):.1f}", f"{s.pct(99):.1f}",
+                         f"{s.rate * count:.0f}", f"{s.pct(50):.1f}", f"{s.pct(99):.1f}",
                          s.cpu_ms(), *cells))  # fmt: skip
     return lines + error_lines(totals)
 
@@ -888,7 +898,7 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=100)
     parser.add_argument("--llm-streams", default="1,8,32,128", help="concurrent streams for the llm section")
     parser.add_argument("--llm-tokens", type=int, default=64)
-    parser.add_argument("--many-inputs", type=int, default=64, help="inputs per call of the many section")
+    parser.add_argument("--many-inputs", default="64", help="inputs per call of the many section (several: 1,64,256)")
     parser.add_argument("--many-model", default="text_embed", help="the text embedding model of the many section")
     parser.add_argument("--many-clients", type=int, default=4, help="concurrent calls of the many section")
     parser.add_argument("--model", default="clip_text", choices=sorted(INPUTS))
@@ -912,6 +922,7 @@ def main() -> None:
     args.sections = [s for s in args.sections.split(",") if s]
     args.ttft_streams = _ints(args.ttft_streams)
     args.llm_streams = _ints(args.llm_streams)
+    args.many_inputs = _ints(args.many_inputs)
     args.tenant_limits = _ints(args.tenant_limits) if args.tenant_limits else None
     unknown = set(args.sections) - set(ALL_SECTIONS)
     if unknown:
