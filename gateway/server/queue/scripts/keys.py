@@ -1,0 +1,83 @@
+"""The keys each script receives in KEYS, in the order it reads them, and the argument
+builders that go with them (scripts/__init__.py: which keys are found as a script runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.protocol.redis_keys import BANDS, Shard
+
+# -- The keys, in the order the scripts read them from KEYS ------------------------------
+
+
+def shard_keys(shard: Shard) -> list[str]:
+    """KEYS[1..10] of SUBMIT, TAKE and FINISH: the shard's own keys (see _SHARD)."""
+    return [
+        shard.tenants,
+        shard.running,
+        shard.vclock,
+        shard.backlog,
+        shard.started,
+        shard.leases,
+        shard.deadlines,
+        shard.results,
+        shard.sync,
+        shard.notices,
+    ]
+
+
+def model_keys(shard: Shard, model: str) -> list[str]:
+    """KEYS[11..15] of TAKE (see _MODEL), and the first of a submission's keys in SUBMIT
+    and of a request's in FINISH: the model's reclaimed list and its ready set in each band."""
+    return [shard.reclaimed(model), *(shard.ready(model, band) for band in BANDS)]
+
+
+def tenant_keys(shard: Shard, model: str, tenant: str) -> list[str]:
+    """After model_keys in a submission's keys in SUBMIT and a request's in FINISH: the
+    tenant's blocked set and its queue of the model in each band."""
+    return [shard.blocked(tenant), *(shard.queue(model, band, tenant) for band in BANDS)]
+
+
+def request_keys(shard: Shard, request_id: str) -> list[str]:
+    """A request's hash, events and token ids (in this order)."""
+    return [shard.request(request_id), shard.events(request_id), shard.tokens(request_id)]
+
+
+def lease_keys(shard: Shard, request_ids: list[str]) -> list[str]:
+    """KEYS of RENEW: the shard's leases, then each run's request hash."""
+    return [shard.leases, *(shard.request(request_id) for request_id in request_ids)]
+
+
+def reclaim_keys(shard: Shard) -> list[str]:
+    """KEYS of RECLAIM: the shard's leases, deadlines and backlog counters."""
+    return [shard.leases, shard.deadlines, shard.backlog]
+
+
+def handover_keys(shard: Shard, request_ids: list[str]) -> list[str]:
+    """KEYS of HANDOVER: those of RECLAIM, then each run's request hash."""
+    return [*reclaim_keys(shard), *(shard.request(request_id) for request_id in request_ids)]
+
+
+def renew_call(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> tuple[list[str], list[Any]]:
+    """RENEW's keys and arguments: the leases of (request id, run token) runs end lease_ms
+    from now, by Redis's clock."""
+    args: list[Any] = [consumer, lease_ms]
+    for request_id, run in runs:
+        args += [request_id, run]
+    return lease_keys(shard, [request_id for request_id, _ in runs]), args
+
+
+def finish_keys(shard: Shard, model: str, tenant: str, request_id: str) -> list[str]:
+    """A request's part of FINISH's KEYS (13)."""
+    return [*model_keys(shard, model), *tenant_keys(shard, model, tenant), *request_keys(shard, request_id)]
+
+
+# Where a queued request stands: {its place in its tenant's queue, tenants ready in its
+# band, how many of them go before its tenant in this round, tenants ready in higher
+# bands plus requests reclaimed (they all go first), requests of its model TAKE started
+# from the queue in the shard so far}. The request's model, band and tenant are read from its hash: the queue
+
+
+def read_keys(shard: Shard, request_id: str) -> list[str]:
+    """KEYS of READ and QUEUE."""
+    return [shard.request(request_id), shard.results, shard.started]

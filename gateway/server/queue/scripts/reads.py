@@ -1,0 +1,56 @@
+"""Reads of a request in one atomic call: where a queued one stands (QUEUE), its hash
+with its record or standing (READ)."""
+
+from __future__ import annotations
+
+_STANDING = """
+local function standing(P, id, model, band, tenant)
+  local mb = model .. ':' .. band
+  local ready = P .. 'ready:' .. mb
+  local tenants = redis.call('ZCARD', ready)
+  local first = redis.call('LLEN', P .. 'reclaimed:' .. model)
+  for _, higher in ipairs({'high', 'normal', 'low', 'batch'}) do
+    if higher == band then break end
+    first = first + redis.call('ZCARD', P .. 'ready:' .. model .. ':' .. higher)
+  end
+  return {redis.call('LPOS', P .. 'q:' .. mb .. ':' .. tenant, id) or 0, tenants,
+    redis.call('ZRANK', ready, tenant) or tenants, first, redis.call('HGET', KEYS[3], model) or '0'}
+end
+"""
+
+# KEYS: the request's hash, the shard's results stream, the shard's started counters
+#   (read_keys).  ARGV: prefix, id.
+# Where a queued request stands (see _STANDING); false when it is not queued.
+QUEUE = (
+    _STANDING
+    + """
+local h = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant')
+if h[1] ~= 'queued' then return false end
+return standing(ARGV[1], ARGV[2], h[2], h[3], h[4])
+"""
+)
+
+# KEYS: as QUEUE.  ARGV: prefix, id.
+# The request's hash, in one atomic read with what goes with its state: {hash, the record
+# (when it has ended and the results stream still holds it) or false, where it stands
+# (when it is queued, see _STANDING) or false}. One read: a request read as queued always
+# comes with its place, even when a dispatcher takes it a moment later.
+READ = (
+    _STANDING
+    + """
+local h = redis.call('HGETALL', KEYS[1])
+local f = {}
+for i = 1, #h, 2 do f[h[i]] = h[i + 1] end
+if f.state == 'queued' then return {h, false, standing(ARGV[1], ARGV[2], f.model, f.band, f.tenant)} end
+if f.result then
+  local found = redis.call('XRANGE', KEYS[2], f.result, f.result)
+  if found[1] then
+    local fields = found[1][2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'record' then return {h, fields[i + 1], false} end
+    end
+  end
+end
+return {h, false, false}
+"""
+)
