@@ -30,6 +30,7 @@ from binder.metrics import BinderMetrics
 from binder.settings import BinderSettings
 from binder.webhooks import WebhookQueue, WebhookSender
 from binder.webhooks.secrets import TenantSecrets
+from binder.webhooks.sender import TenantShare
 from gateway.common.logs import configure_logging
 from gateway.common.redis import MAX_BLOCK_MS, RedisClients
 from gateway.common.result_store import ResultStore
@@ -154,6 +155,14 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             allowlist=settings.webhook_allowlist,
             retry_after_max_s=settings.webhook_retry_after_max_s,
             expire_after_s=settings.result_retention_s,
+            tenant_share=TenantShare(
+                fraction=settings.webhook_tenant_share,
+                floor=settings.webhook_tenant_floor,
+                slow_s=settings.webhook_tenant_slow_s,
+                backoff_after=settings.webhook_tenant_backoff_after,
+                backoff_s=settings.webhook_tenant_backoff_s,
+                backoff_max_s=settings.webhook_tenant_backoff_max_s,
+            ),
         )
         loops = [
             (LoopHealth("archiver"), archiver.run),

@@ -83,6 +83,18 @@ class BinderSettings(ServiceSettings):
     # no-op (a result stored twice, within the results' redelivery, is not sent twice).
     webhook_keep_s: float = Field(default=3600.0, ge=1)
     webhook_concurrency: int = Field(default=64, ge=1)
+    # A tenant's share of those slots: the fraction, at least the floor. While a tenant
+    # holds its share, the other tenants' due webhooks go first (binder/webhooks/sender.py).
+    webhook_tenant_share: float = Field(default=0.25, gt=0, le=1)
+    webhook_tenant_floor: int = Field(default=2, ge=1)
+    # A tenant whose attempts stall (run out of time, or fail after WEBHOOK_TENANT_SLOW_S)
+    # this many times in a row is backed off: its webhooks wait WEBHOOK_TENANT_BACKOFF_S
+    # (doubled each time its next attempt stalls too, up to ..._MAX_S), then go one at a
+    # time until one is quick again.
+    webhook_tenant_slow_s: float = Field(default=5.0, gt=0)
+    webhook_tenant_backoff_after: int = Field(default=3, ge=1)
+    webhook_tenant_backoff_s: float = Field(default=30.0, gt=0)
+    webhook_tenant_backoff_max_s: float = Field(default=900.0, gt=0)
     # See the class docstring for the entry syntax.
     webhook_allowlist: CommaList = []
     # A tenant's own secrets (its document in MongoDB's `tenants` collection, set through

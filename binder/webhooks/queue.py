@@ -23,6 +23,11 @@ Replays (asked for through the API) are limited per tenant, in a fixed window
 (`{sN}:wh:replays:<tenant>`), and a request has at most one replay pending:
 `{sN}:wh:replaying:<request id>` names its last replay, pending while it is still due.
 
+A tenant holds at most its share of a sender's slots: a claim leases a tenant's due
+deliveries only while it has allowance left (binder/webhooks/sender.py, TenantSlots), and
+defers the rest behind the other tenants' (CLAIM), so a tenant at its share, or backed off
+for a receiver that keeps stalling, delays nobody else's webhooks.
+
 Deliveries queued before they moved into the shards (`{wh}:…`, where each held its whole
 payload) are still claimed and sent from there.
 
@@ -87,15 +92,43 @@ redis.call('SET', KEYS[3], ARGV[7], 'EX', 7 * 86400)
 return {1, ARGV[7]}
 """
 
-# KEYS: the due set. ARGV: now, how many, the lease's end. Leases the due deliveries and
-# returns {when the slot's next delivery falls due ('' when none), delivery ids...}.
+# KEYS: the due set. ARGV: now, how many, the lease's end, the deliveries' key prefix, how
+# many due deliveries to look at, a tenant's allowance where it is not named, when a
+# deferred delivery falls due again; then per named tenant: its name, its allowance, when
+# its deferred deliveries fall due ('': as above). Leases the due deliveries of tenants
+# with allowance left (in due order); those of a tenant with none left are deferred,
+# behind the others'. A delivery that names no tenant (or is gone) is leased, its sender
+# looks at it. Returns {when the slot's next delivery falls due ('' when none), leased
+# delivery ids...}.
 CLAIM = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
-for i, id in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[3], id) end
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[5])
+local want, default = tonumber(ARGV[2]), tonumber(ARGV[6])
+local left, later = {}, {}
+for i = 8, #ARGV, 3 do
+  left[ARGV[i]] = tonumber(ARGV[i + 1])
+  if ARGV[i + 2] ~= '' then later[ARGV[i]] = ARGV[i + 2] end
+end
+local out = {}
+for _, id in ipairs(due) do
+  if #out >= want then break end
+  local tenant = redis.call('HGET', ARGV[4] .. id, 'tenant')
+  local n = tenant and (left[tenant] or default) or 1
+  if n > 0 then
+    if tenant then left[tenant] = n - 1 end
+    redis.call('ZADD', KEYS[1], ARGV[3], id)
+    out[#out + 1] = id
+  else
+    redis.call('ZADD', KEYS[1], later[tenant] or ARGV[7], id)
+  end
+end
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-table.insert(due, 1, first[2] or '')
-return due
+table.insert(out, 1, first[2] or '')
+return out
 """
+
+# Due deliveries a claim looks at beyond those it may lease (those of tenants at their share
+# are deferred as they are passed over, so the next claim reaches further).
+CLAIM_LOOKS_PAST = 256
 
 # KEYS: the delivery's hash, the due set, the request's replay marker. ARGV: delivery id,
 # attempts, log, the next attempt's time ('': the final outcome), seconds the hash stays
@@ -127,6 +160,28 @@ class Replay:
     queued: str | None = None
     pending: str | None = None
     retry_after_s: int | None = None
+
+
+@dataclass
+class Allowance:
+    """How many more deliveries each tenant may be leased by one claim: `left` per tenant
+    named, `default` for any other. The due deliveries of a tenant with none left are
+    deferred to `until` of it, else by defer_s: the other tenants' go first."""
+
+    default: int
+    left: dict[str, int] = field(default_factory=dict)
+    until: dict[str, float] = field(default_factory=dict)
+    defer_s: float = 1.0
+
+    def took(self, tenant: str) -> None:
+        self.left[tenant] = self.left.get(tenant, self.default) - 1
+
+    def args(self, now: float) -> list[Any]:
+        """CLAIM's ARGV from its sixth on."""
+        named: list[Any] = []
+        for tenant, left in self.left.items():
+            named += [tenant, max(0, left), self.until.get(tenant, "")]
+        return [self.default, now + self.defer_s, *named]
 
 
 @dataclass
@@ -196,10 +251,12 @@ class WebhookQueue:
             return Replay(pending=str(value))
         return Replay(retry_after_s=max(1, int(value)))
 
-    async def claim(self, limit: int) -> list[Delivery]:
+    async def claim(self, limit: int, allowance: Allowance | None = None) -> list[Delivery]:
         """Up to `limit` due deliveries from the slots, each leased to this sender for
-        lease_s; a slot asked lately and found idle waits for its turn. A slot whose Redis
-        is away is skipped for now; only when every slot asked failed does claim raise."""
+        lease_s, within each tenant's allowance (None: any); a slot asked lately and found
+        idle waits for its turn. A slot whose Redis is away is skipped for now; only when
+        every slot asked failed does claim raise."""
+        allowance = allowance or Allowance(default=limit)
         deliveries: list[Delivery] = []
         failure: Exception | None = None
         asked = failed = 0
@@ -213,7 +270,7 @@ class WebhookQueue:
                 continue
             asked += 1
             try:
-                deliveries += await self._claim_from(slot, limit - len(deliveries))
+                deliveries += await self._claim_from(slot, limit - len(deliveries), allowance)
             except REDIS_OUTAGE as exc:
                 log.warning("claiming webhooks of %s failed: %s", slot.tag, exc)
                 self._asleep[slot] = time.time() + IDLE_POLL_MAX_S
@@ -222,10 +279,11 @@ class WebhookQueue:
             raise failure  # Redis is away altogether: the sender's supervisor reports it
         return deliveries
 
-    async def _claim_from(self, slot: WebhookSlot, limit: int) -> list[Delivery]:
+    async def _claim_from(self, slot: WebhookSlot, limit: int, allowance: Allowance) -> list[Delivery]:
         now = time.time()
         leased_until = now + self.lease_s
-        next_due, *ids = await self._claim(keys=[slot.due], args=[now, limit, leased_until])
+        args = [now, limit, leased_until, slot.delivery(""), limit + CLAIM_LOOKS_PAST, *allowance.args(now)]
+        next_due, *ids = await self._claim(keys=[slot.due], args=args)
         if ids:
             self._wake(slot)
         else:
@@ -238,6 +296,8 @@ class WebhookQueue:
             if not h:
                 await self.redis.zrem(slot.due, delivery_id)
                 continue
+            if h.get("tenant"):
+                allowance.took(h["tenant"])  # (as CLAIM counted it: by the tenant the hash names)
             deliveries.append(
                 Delivery(
                     delivery_id=delivery_id,

@@ -17,6 +17,13 @@ is the result record MongoDB holds then (queue.request_payload), read per attemp
 record that cannot be read (MongoDB away, or not found) is an attempt that failed, retried
 on the schedule: nothing is sent without it.
 
+A tenant holds at most its share of the sender's slots (WEBHOOK_TENANT_SHARE of
+WEBHOOK_CONCURRENCY, at least WEBHOOK_TENANT_FLOOR): while it holds them all, the other
+tenants' due deliveries are claimed first and its own wait (queue.py, CLAIM). A tenant
+whose attempts keep stalling (timed out, or failed after WEBHOOK_TENANT_SLOW_S) is backed
+off: none of its deliveries are attempted for a while (doubled each time), then one at a
+time until one is quick again (TenantSlots). Counted per sender process.
+
 Every attempt ends in a recorded outcome, whatever goes wrong in it (a host name that
 cannot be encoded, a resolver error, a bug): an attempt that raised without being
 recorded would be claimed again when its lease ran out, every lease, for ever. Each
@@ -35,9 +42,12 @@ import asyncio
 import email.utils
 import json
 import logging
+import math
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,7 +55,7 @@ import httpx
 from standardwebhooks import Webhook
 
 from binder.webhooks.guard import AddressGuard, Refused, Unresolvable, pinned
-from binder.webhooks.queue import LEASE_MARGIN_S, Delivery, WebhookQueue, request_payload
+from binder.webhooks.queue import LEASE_MARGIN_S, Allowance, Delivery, WebhookQueue, request_payload
 from binder.webhooks.secrets import SecretsUnavailable, TenantSecrets
 from gateway.common.logs import bind_request_ids
 from gateway.common.webhooks import TENANT_ENDPOINT
@@ -112,6 +122,82 @@ def trace_id_of(delivery: Delivery) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class TenantShare:
+    """A tenant's share of the sender's slots, and when a tenant whose receiver keeps
+    stalling is backed off (WEBHOOK_TENANT_*)."""
+
+    fraction: float = 0.25
+    floor: int = 2
+    # An attempt that fails after this long (or runs out of time) stalls its receiver.
+    slow_s: float = 5.0
+    # This many stalled attempts in a row back the tenant off for backoff_s, doubled each
+    # time its next attempt stalls again, up to backoff_max_s.
+    backoff_after: int = 3
+    backoff_s: float = 30.0
+    backoff_max_s: float = 900.0
+
+
+class TenantSlots:
+    """Each tenant's slots in this sender: at most its share at once; a tenant whose
+    attempts keep stalling (its receiver times out, or fails slowly) is backed off: none
+    of its deliveries are attempted until the backoff ends, then one at a time until an
+    attempt is quick again."""
+
+    def __init__(self, concurrency: int, share: TenantShare, timeout_s: float) -> None:
+        self.rules = share
+        self.share = max(1, min(concurrency, max(share.floor, math.ceil(share.fraction * concurrency))))
+        self.timeout_s = timeout_s
+        self.busy: Counter[str] = Counter()
+        self.stalls: Counter[str] = Counter()  # stalled attempts in a row
+        self.backoffs: Counter[str] = Counter()  # backoffs since the last quick attempt
+        self.paused_until: dict[str, float] = {}  # epoch seconds
+        self.took_s: dict[str, float] = {}  # how long its attempts take (a moving average)
+
+    def backed_off(self, tenant: str) -> bool:
+        return self.stalls[tenant] >= self.rules.backoff_after
+
+    def allowance(self, now: float | None = None) -> Allowance:
+        """What one claim may lease of each tenant now. A tenant with nothing left has its
+        due deliveries deferred until its backoff ends, or about when one of its attempts
+        ends (then the claims look at it again)."""
+        now = time.time() if now is None else now
+        allowance = Allowance(default=self.share)
+        for tenant in set(self.busy) | {t for t in self.stalls if self.backed_off(t)}:
+            room = self.share - self.busy[tenant]
+            if self.backed_off(tenant):
+                paused = self.paused_until.get(tenant, 0.0)
+                room = 0 if paused > now else min(room, 1 - self.busy[tenant])
+                if paused > now:
+                    allowance.until[tenant] = paused
+            allowance.left[tenant] = max(0, room)
+            if room <= 0 and tenant not in allowance.until:
+                took = self.took_s.get(tenant, 1.0)
+                allowance.until[tenant] = now + min(max(took / 2, 0.5), self.timeout_s)
+        return allowance
+
+    def started(self, tenant: str) -> None:
+        self.busy[tenant] += 1
+
+    def ended(self, tenant: str, took_s: float, stalled: bool, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.busy[tenant] -= 1
+        if self.busy[tenant] <= 0:
+            del self.busy[tenant]
+        self.took_s[tenant] = took_s if tenant not in self.took_s else 0.8 * self.took_s[tenant] + 0.2 * took_s
+        if not stalled:
+            for kept in (self.stalls, self.backoffs, self.paused_until):
+                kept.pop(tenant, None)
+            return
+        self.stalls[tenant] += 1
+        # Attempts that began before a backoff and stall after it do not lengthen it.
+        if self.backed_off(tenant) and self.paused_until.get(tenant, 0.0) <= now:
+            pause = min(self.rules.backoff_max_s, self.rules.backoff_s * 2 ** self.backoffs[tenant])
+            self.backoffs[tenant] += 1
+            self.paused_until[tenant] = now + pause
+            log.warning("webhooks of tenant %s: its receiver keeps stalling; backed off %.0fs", tenant, pause)
+
+
 class WebhookSender:
     def __init__(
         self,
@@ -127,13 +213,15 @@ class WebhookSender:
         allowlist: list[str],
         retry_after_max_s: float = 3600.0,
         expire_after_s: float | None = None,
+        tenant_share: TenantShare | None = None,
     ) -> None:
         """on_status(request_id, status, attempts_log) records the outcome (MongoDB).
         records: reads the stored result a request's webhook is made of (MongoDB).
         secrets: which secrets sign a tenant's deliveries. timeout_s bounds a whole
         attempt (and each network operation in it). retry_after_max_s: the longest
         Retry-After honoured; expire_after_s: how long after its first attempt a delivery
-        expires (None: never)."""
+        expires (None: never). tenant_share: a tenant's share of the `concurrency` slots
+        and its backoff (TenantSlots)."""
         self.queue = queue
         self.on_status = on_status
         self.records = records
@@ -155,6 +243,7 @@ class WebhookSender:
         )
         self.slots = asyncio.Semaphore(concurrency)
         self.concurrency = concurrency
+        self.tenants = TenantSlots(concurrency, tenant_share or TenantShare(), timeout_s)
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
@@ -168,13 +257,22 @@ class WebhookSender:
             log.warning("no WEBHOOK_SECRETS: webhooks of tenants without secrets of their own will not be sent")
         while True:
             free = self.concurrency - len(self.tasks)
-            deliveries = await self.queue.claim(free) if free > 0 else []
+            deliveries = await self.queue.claim(free, self.tenants.allowance()) if free > 0 else []
             for delivery in deliveries:
                 # Each delivery is its own task: a slow receiver holds one slot, not the queue.
-                task = asyncio.create_task(self.deliver(delivery))
+                self.tenants.started(delivery.tenant)
+                task = asyncio.create_task(self._attempt(delivery))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             await asyncio.sleep(0.05 if deliveries else 0.2)
+
+    async def _attempt(self, delivery: Delivery) -> None:
+        """deliver(), its slot counted as its tenant's until it ends."""
+        started, stalled = time.monotonic(), False
+        try:
+            stalled = await self.deliver(delivery)
+        finally:
+            self.tenants.ended(delivery.tenant, time.monotonic() - started, stalled)
 
     def deadline_s(self, delivery: Delivery) -> float:
         """How long this attempt may take: the timeout, cut short to end inside the lease."""
@@ -182,27 +280,33 @@ class WebhookSender:
             return self.timeout_s
         return max(0.0, min(self.timeout_s, delivery.leased_until - LEASE_MARGIN_S - time.time()))
 
-    async def deliver(self, delivery: Delivery) -> None:
+    async def deliver(self, delivery: Delivery) -> bool:
+        """Make one attempt and record it; whether it stalled its receiver (it failed after
+        the tenant's slow_s, or ran out of time)."""
         bind_request_ids(trace_id=trace_id_of(delivery), request_id=delivery.request_id)  # in this delivery's task
         openai = delivery.url == TENANT_ENDPOINT
         if openai and not await self._resolve(delivery):
-            return
+            return False
         async with self.slots:
             delivery.attempts += 1
             attempt: dict[str, Any] = {"at": datetime.now(UTC).isoformat(), "attempt": delivery.attempts}
             started = time.monotonic()
             deadline = self.deadline_s(delivery)
+            timed_out = False
             try:
                 async with asyncio.timeout(deadline):
                     status, retry_after = await self._post(delivery, attempt)
             except TimeoutError:
                 attempt["error"] = f"no response within the attempt deadline of {deadline:.1f}s"
                 status, retry_after = "error", None
+                timed_out = True
             except Exception as exc:  # recorded, and retried on the schedule: never a silent loop
                 log.warning("webhook %s attempt %d failed: %s", delivery.delivery_id, delivery.attempts, exc)
                 attempt["error"] = f"{type(exc).__name__}: {exc}"[:500]
                 status, retry_after = "error", None
-            attempt["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+            took = time.monotonic() - started
+            attempt["duration_ms"] = round(took * 1000, 1)
+            stalled = status == "error" and (timed_out or took >= self.tenants.rules.slow_s)
             delivery.log.append(attempt)
             next_at = self._next_attempt(delivery, status, retry_after)
             final = {"delivered": "delivered", "gone": "gone", "refused": "refused"}.get(status)
@@ -211,14 +315,15 @@ class WebhookSender:
                 await self.queue.save_attempt(delivery, None if final else next_at)
             except Exception as exc:  # Redis is down: the lease runs out and the attempt is made again
                 log.warning("saving webhook %s attempt %d failed: %s", delivery.delivery_id, delivery.attempts, exc)
-                return
+                return stalled
             log.info("webhook %s attempt %d: %s", delivery.delivery_id, delivery.attempts, outcome)
             if openai:
-                return
+                return stalled
             try:
                 await self.on_status(delivery.request_id, outcome, delivery.log)
             except Exception as exc:  # the attempt is saved in Redis; only the copy in MongoDB lags
                 log.warning("recording webhook status of %s failed: %s", delivery.request_id, exc)
+            return stalled
 
     async def _resolve(self, delivery: Delivery) -> bool:
         """Point an OpenAI-style event at its tenant's endpoint; False (and the delivery

@@ -70,6 +70,7 @@ from gateway.server.spine import Submitter
 from gateway.server.tenants.config import TenantLimits, TenantStore
 from gateway.server.tenants.keys import KeyStore, announcer, follow_key_changes
 from gateway.server.tenants.quotas import Quotas
+from gateway.server.tenants.shares import share_of
 from gateway.server.tenants.usage import UsageLedger
 from gateway.server.ui import router as ui_router
 
@@ -207,6 +208,10 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             clients.reader,
             lambda request_id, entry: reader.record_json(request_id, entry),
             lambda request_id, notice: spine.follow(jobs, request_id, notice),
+            max_followers=settings.max_followers,
+            tenant_share=share_of(
+                settings.max_followers, settings.tenant_follower_share, settings.tenant_follower_floor
+            ),
         )
         binder_key = settings.binder_api_key.get_secret_value() if settings.binder_api_key else None
         binders = BinderClient(settings.binder_urls, http, partitions=settings.index_partitions, api_key=binder_key)
@@ -281,7 +286,15 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             submitter=submitter,
             results=reader,
             events=hub,
-            search=SearchService(registry, pool, reader, binders),
+            search=SearchService(
+                registry,
+                pool,
+                reader,
+                binders,
+                quotas=quotas,
+                usage=usage,
+                tenant_concurrency=settings.tenant_search_concurrency,
+            ),
             binders=binders,
             metrics=metrics,
             keys=KeyStore(mongo, settings.mongo_db, cache_s=settings.key_cache_s, announce=announcer(clients)),

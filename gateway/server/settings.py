@@ -41,6 +41,15 @@ class GatewaySettings(ServiceSettings):
     max_wait_s: float = Field(default=60.0, gt=0)
     idempotency_ttl_s: int = Field(default=24 * 3600, gt=0)
     sse_ping_s: float = Field(default=15.0, gt=0)
+    # Event streams (SSE, /v1 streams) and long polls one process holds at once (503
+    # too_many_streams beyond), and one tenant's share of them: the fraction, at least the
+    # floor (429 tenant_share_exceeded beyond; gateway.server.tenants.shares).
+    max_followers: int = Field(default=10_000, ge=1)
+    tenant_follower_share: float = Field(default=0.25, gt=0, le=1)
+    tenant_follower_floor: int = Field(default=16, ge=1)
+    # Searches (POST /search) one tenant runs at once in a process (429
+    # tenant_share_exceeded beyond); each is also a request of its requests per minute.
+    tenant_search_concurrency: int = Field(default=4, ge=1)
 
     # -- Files and batches (OpenAI's Files and Batch APIs) -----------------------------
     # An uploaded file (POST /v1/files; the only route allowed a body this large).

@@ -34,7 +34,10 @@ async def result_response(svc: Services, who: Caller, request_id: str, wait: flo
     """The answer to GET /results/<id>, its key and ?wait=N checked (gateway.server.api.hot)."""
     known_id(request_id)
     if wait:
-        _, body, _ = await svc.results.wait_json(request_id, min(wait, svc.settings.max_wait_s), who.scope)
+        # A long poll holds a place of the tenant's share of the process's followers while
+        # it waits (429 tenant_share_exceeded at once when the tenant holds it all).
+        with svc.events.holding(who.tenant):
+            _, body, _ = await svc.results.wait_json(request_id, min(wait, svc.settings.max_wait_s), who.scope)
     else:
         _, body, _ = await svc.results.get_json(request_id, who.scope)
     return Response(body, media_type="application/json")

@@ -19,8 +19,16 @@ router = APIRouter()
     summary="Find the stored results nearest a text or image",
     responses={
         422: {"description": "invalid_query, unknown_space"},
+        429: {
+            "description": "The tenant runs its share of searches (tenant_share_exceeded) or spent its "
+            "requests per minute (rate_limited); retry after `Retry-After` seconds"
+        },
         503: {"description": "no_replica, binder_unavailable"},
     },
 )
 async def search(body: SearchRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
-    return await services(request).search.search(body, who.scope)
+    """Charged to the caller's tenant: one of its requests per minute, one of its searches
+    running at once, counted in its usage (`searches`)."""
+    found, headers = await services(request).search.search(body, who.scope, who.config)
+    who.headers |= headers  # (the edge adds them to the answer: x-ratelimit-*)
+    return found

@@ -4,6 +4,7 @@ goes out). The route itself, its checks and its OpenAPI entry are gateway.server
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 
 from fastapi.responses import JSONResponse, Response
 
@@ -52,7 +53,7 @@ async def infer_response(
         return await answer(svc, who, request_id, wait, fresh=submission.started_here)
     if accept and "text/event-stream" in accept:
         return EventStream(
-            sse_events(svc, request_id, "0-0"),
+            sse_events(svc, request_id, "0-0", who.tenant),
             ping=svc.settings.sse_ping_s,
             headers={**SSE_HEADERS, **location(request_id)},
         )
@@ -63,8 +64,12 @@ async def infer_response(
 
 async def answer(svc: Services, who: Caller, request_id: str, wait: float | None, fresh: bool = False) -> Response:
     """200 with the result if it has ended (within wait), else 202 with the state. fresh:
-    the request was accepted by this very call."""
-    final, body, status = await svc.results.wait_json(request_id, wait or 0, who.scope, fresh=fresh)
+    the request was accepted by this very call. A tenant that holds its share of the
+    process's long polls is answered at once (its request is accepted all the same)."""
+    if wait and not svc.events.room_for(who.tenant):
+        wait = None
+    with svc.events.holding(who.tenant) if wait else nullcontext():
+        final, body, status = await svc.results.wait_json(request_id, wait or 0, who.scope, fresh=fresh)
     if final:
         headers = {**location(request_id), **({"Preference-Applied": f"wait={wait:g}"} if wait else {})}
         return Response(body, status_code=200, headers=headers, media_type="application/json")

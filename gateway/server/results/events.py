@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.common.streams import stream_id_order
 from gateway.protocol import EventKind
 from gateway.protocol.redis_keys import Shard, shard_of
+from gateway.server.errors import Refused
+from gateway.server.tenants.shares import PoolFull, SharedPool
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,8 @@ FULL_READ_EVERY_S = 2.0
 EXISTS_EVERY_S = 30.0
 
 
-class TooManyStreams(Exception):
-    pass
+# The whole pool of followers is held (503 too_many_streams).
+TooManyStreams = PoolFull
 
 
 # The largest part of a stream id (ms-seq: unsigned 64-bit numbers).
@@ -142,6 +145,7 @@ class EventHub:
         mark_followed: Callable[[str, bool], Awaitable[bool]],
         *,
         max_followers: int = 10_000,
+        tenant_share: int | None = None,
         named_most: int = NAMED_MOST,
         full_read_every_s: float = FULL_READ_EVERY_S,
     ) -> None:
@@ -150,12 +154,20 @@ class EventHub:
         results entry) gives a record (from Redis, or MongoDB once stored);
         mark_followed(request id, notice) has the scripts name the request in its shard's
         notices, and with notice names it there now; False if the request is gone
-        (spine.follow)."""
+        (spine.follow). max_followers: the followers and long polls this process holds at
+        once; tenant_share: how many of them one tenant may hold (None: all)."""
         self.redis = redis  # for checks
         self.connect_reader = connect_reader
         self.records = records
         self.mark_followed = mark_followed
         self.max_followers = max_followers
+        # Followers (SSE streams, /v1 streams) and long polls, by tenant.
+        self.pool = SharedPool(
+            "event streams and long polls",
+            total=max_followers,
+            share=tenant_share or max_followers,
+            full_code="too_many_streams",
+        )
         self.named_most = named_most
         self.full_read_every_s = full_read_every_s
         self._readers: dict[int, _ShardReader] = {}
@@ -180,66 +192,84 @@ class EventHub:
     def followers(self) -> int:
         return sum(len(f) for r in self._readers.values() for f in r.followers.values())
 
-    async def follow(self, request_id: str, after: str) -> AsyncIterator[StreamEvent]:
+    def admissible(self, tenant: str | None) -> None:
+        """Raise the refusal a follower or long poll of this tenant would get now
+        (ShareExceeded, TooManyStreams): for a route to answer it before its response starts."""
+        self.pool.check(tenant)
+
+    def room_for(self, tenant: str | None) -> bool:
+        """Whether a follower or long poll of this tenant would be held now."""
+        try:
+            self.pool.check(tenant)
+        except Refused:
+            return False
+        return True
+
+    def holding(self, tenant: str | None) -> AbstractContextManager[None]:
+        """Hold a place of the pool for a long poll (refused at once when there is none)."""
+        return self.pool.hold(tenant)
+
+    async def follow(self, request_id: str, after: str, *, tenant: str | None = None) -> AsyncIterator[StreamEvent]:
         """The events of a request after `after`, up to and including the terminal one.
-        Ends early (returns) if the stream disappears."""
-        async for event in self.follow_idle(request_id, after, idle_s=None):
+        Ends early (returns) if the stream disappears. Counted against the tenant's share
+        (ShareExceeded, TooManyStreams before the first event)."""
+        async for event in self.follow_idle(request_id, after, idle_s=None, tenant=tenant):
             if event is not None:
                 yield event
 
     async def follow_idle(
-        self, request_id: str, after: str, *, idle_s: float | None
+        self, request_id: str, after: str, *, idle_s: float | None, tenant: str | None = None
     ) -> AsyncIterator[StreamEvent | None]:
         """As follow(), and, until the request has started, None whenever nothing came for
         idle_s (for the caller to say something meanwhile)."""
-        if self.followers >= self.max_followers:
-            raise TooManyStreams(f"{self.max_followers} event streams are being followed")
-        shard = shard_of(request_id)
-        reader = self._reader(shard)
-        follower = _Follower(shard.events(request_id), after, 0 if after == "0-0" else None)
-        reader.followers.setdefault(follower.key, set()).add(follower)
-        position, start = reader.positions.get(follower.key), read_after(after)
-        if position is None or stream_id_order(start) < stream_id_order(position):
-            reader.positions[follower.key] = start
-        try:
-            if len(reader.positions) > self.named_most:  # read by notices (below it, no need)
-                # Marked before its stream is read: what is written before the mark, that
-                # read finds; what after, a notice names (the reader follows it already).
-                # A reader blocked on the notices is woken by the mark's own notice.
-                by_notices = reader.notices_after is not None
-                noticed = await self._mark(reader, follower.key, notice=by_notices)
-                reader.fresh.add(follower.key)
-                if not (noticed and by_notices):
-                    await self._interrupt(reader)
-            else:
-                await self._interrupt(reader)
-            waiting = idle_s is not None
-            while True:
-                if waiting:
-                    try:
-                        async with asyncio.timeout(idle_s):
-                            event = await follower.queue.get()
-                    except TimeoutError:
-                        yield None
-                        continue
+        # Refused here, before the first event, when the tenant holds its share.
+        with self.pool.hold(tenant):
+            shard = shard_of(request_id)
+            reader = self._reader(shard)
+            follower = _Follower(shard.events(request_id), after, 0 if after == "0-0" else None)
+            reader.followers.setdefault(follower.key, set()).add(follower)
+            position, start = reader.positions.get(follower.key), read_after(after)
+            if position is None or stream_id_order(start) < stream_id_order(position):
+                reader.positions[follower.key] = start
+            try:
+                if len(reader.positions) > self.named_most:  # read by notices (below it, no need)
+                    # Marked before its stream is read: what is written before the mark, that
+                    # read finds; what after, a notice names (the reader follows it already).
+                    # A reader blocked on the notices is woken by the mark's own notice.
+                    by_notices = reader.notices_after is not None
+                    noticed = await self._mark(reader, follower.key, notice=by_notices)
+                    reader.fresh.add(follower.key)
+                    if not (noticed and by_notices):
+                        await self._interrupt(reader)
                 else:
-                    event = await follower.queue.get()
-                if event is None:
-                    return
-                waiting = waiting and event.kind == "queued"
-                yield event
-                if event.terminal:
-                    return
-        finally:
-            followers = reader.followers.get(follower.key)
-            if followers is not None:
-                followers.discard(follower)
-                if not followers:
-                    del reader.followers[follower.key]
-                    reader.positions.pop(follower.key, None)
-                    reader.fresh.discard(follower.key)
-                    reader.again.discard(follower.key)
-                    reader.marked.discard(follower.key)
+                    await self._interrupt(reader)
+                waiting = idle_s is not None
+                while True:
+                    if waiting:
+                        try:
+                            async with asyncio.timeout(idle_s):
+                                event = await follower.queue.get()
+                        except TimeoutError:
+                            yield None
+                            continue
+                    else:
+                        event = await follower.queue.get()
+                    if event is None:
+                        return
+                    waiting = waiting and event.kind == "queued"
+                    yield event
+                    if event.terminal:
+                        return
+            finally:
+                followers = reader.followers.get(follower.key)
+                if followers is not None:
+                    followers.discard(follower)
+                    if not followers:
+                        del reader.followers[follower.key]
+                        reader.positions.pop(follower.key, None)
+                        reader.fresh.discard(follower.key)
+                        reader.again.discard(follower.key)
+                        reader.marked.discard(follower.key)
 
     def _reader(self, shard: Shard) -> _ShardReader:
         reader = self._readers.get(shard.index)

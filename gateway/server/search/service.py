@@ -1,6 +1,11 @@
 """Similarity search: embed the query through Triton, ask a binder's index for the
 nearest vectors of the caller's tenant, return them with their stored records.
 
+A search is the tenant's: it holds one of the tenant's searches in flight in this process
+(TENANT_SEARCH_CONCURRENCY; 429 tenant_share_exceeded beyond), is one of its requests per
+minute (tenants/quotas.py; 429 rate_limited beyond) and is counted in its usage
+(`searches`), so one tenant's searches cannot take Triton from the others.
+
 The index lives in the binders (each keeps a full copy fed from the results stream),
 so gateways stay stateless; any binder can answer."""
 
@@ -16,6 +21,10 @@ from gateway.server.models.embedding import EmbeddingAdapter
 from gateway.server.replicas import ReplicaPool
 from gateway.server.results.reader import ResultReader
 from gateway.server.search.binders import BinderClient
+from gateway.server.tenants.config import TenantConfig
+from gateway.server.tenants.quotas import Quotas
+from gateway.server.tenants.shares import SharedPool
+from gateway.server.tenants.usage import UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +33,31 @@ EMBED_TIMEOUT_S = 30.0
 
 class SearchService:
     def __init__(
-        self, registry: ModelRegistry, pool: ReplicaPool, results: ResultReader, binders: BinderClient
+        self,
+        registry: ModelRegistry,
+        pool: ReplicaPool,
+        results: ResultReader,
+        binders: BinderClient,
+        *,
+        quotas: Quotas | None = None,
+        usage: UsageLedger | None = None,
+        tenant_concurrency: int = 4,
     ) -> None:
+        """quotas, usage: where a tenant's searches are charged and counted (None: not)."""
         self.registry = registry
         self.pool = pool
         self.results = results
         self.binders = binders
+        self.quotas = quotas
+        self.usage = usage
+        self.running = SharedPool("searches", total=None, share=tenant_concurrency)
 
-    async def search(self, query: SearchRequest, tenant: str | None = None) -> SearchResponse:
+    async def search(
+        self, query: SearchRequest, tenant: str | None = None, config: TenantConfig | None = None
+    ) -> tuple[SearchResponse, dict[str, str]]:
+        """The hits, and the rate-limit headers of the tenant's charge. config: the
+        tenant's settings, to charge the search to (None: not charged, as for an operator's
+        tools)."""
         if (query.text is None) == (query.image is None):
             raise InvalidRequest("invalid_query", "give exactly one of text or image")
         kind = "text" if query.text is not None else "image"
@@ -40,10 +66,18 @@ class SearchService:
         if model is None:
             spaces = ", ".join(self.registry.spaces(kind)) or "none"
             raise InvalidRequest("unknown_space", f"no {kind} search in space {space!r}; spaces: {spaces}")
-        vector = await self.embed(model, {"text": query.text} if kind == "text" else {"image": query.image})
-        hits = await self.binders.nearest(space, vector, query.k, tenant)
-        records = await self.results.get_many([hit["request_id"] for hit in hits], tenant)
-        return SearchResponse(
+        # The tenant's place among its searches first: a search refused for it charges nothing.
+        with self.running.hold(config.tenant if config else None):
+            headers: dict[str, str] = {}
+            if config is not None:
+                if self.quotas is not None:
+                    headers = await self.quotas.admit(config, 0)
+                if self.usage is not None:
+                    self.usage.count(config.tenant, "searches")
+            vector = await self.embed(model, {"text": query.text} if kind == "text" else {"image": query.image})
+            hits = await self.binders.nearest(space, vector, query.k, tenant)
+            records = await self.results.get_many([hit["request_id"] for hit in hits], tenant)
+        response = SearchResponse(
             space=space,
             hits=[
                 SearchHit(
@@ -52,6 +86,7 @@ class SearchService:
                 for h in hits
             ],
         )
+        return response, headers
 
     async def embed(self, adapter: EmbeddingAdapter, raw_inputs: dict[str, str | None]) -> list[float]:
         try:

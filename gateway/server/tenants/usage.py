@@ -39,6 +39,12 @@ class UsageLedger:
             counts["prompt_tokens"] += record.usage.prompt_tokens
             counts["completion_tokens"] += record.usage.completion_tokens
 
+    def count(self, tenant: str, name: str, amount: int = 1) -> None:
+        """Count something a tenant used other than a finished request (`searches`), today
+        (written with the next flush)."""
+        day = datetime.now(UTC).strftime("%Y-%m-%d")
+        self._pending.setdefault(_key(tenant, day), Counter())[name] += amount
+
     async def flush(self) -> None:
         pending, self._pending = self._pending, {}
         if not pending:
