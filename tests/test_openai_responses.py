@@ -466,6 +466,20 @@ def test_store_false_keeps_nothing(client) -> None:
     assert caught.value.code == "previous_response_not_found" and caught.value.body["param"] == "previous_response_id"
 
 
+def test_store_false_leaves_no_inputs_or_outputs_in_the_stored_record(stack, client) -> None:
+    from pymongo import MongoClient
+
+    response = client.responses.create(model="llm_echo", input="Forget me too", store=False, max_output_tokens=50)
+    request_id = response.id.removeprefix("resp_")
+    with MongoClient(stack.mongo_url) as mongo:
+        results = mongo[os.environ.get("MONGO_DB", "triton_gateway")]["results"]
+        _until(lambda: results.find_one({"_id": request_id}) is not None, what="the record stored")
+        document = results.find_one({"_id": request_id})
+    assert document["status"] == "succeeded" and document["usage"]["completion_tokens"] > 0  # accounting stays
+    assert not document.get("inputs") and not document.get("parameters") and document.get("outputs") is None
+    assert "Forget me too" not in json.dumps(document, default=str)
+
+
 def test_a_deleted_response_can_neither_be_read_nor_continued(client) -> None:
     response = client.responses.create(model="llm_echo", input="Delete me", max_output_tokens=50)
     deleted = _delete(client, response.id)

@@ -40,6 +40,9 @@ DUPLICATE_KEY = 11000
 VECTOR_SUBTYPE = 9
 # MongoDB's document size limit, unless the server says another (hello's maxBsonObjectSize).
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+# The label of a request whose caller asked that nothing of it be kept (the Responses API's
+# `store: false`): its stored record holds no inputs, parameters or outputs.
+NOT_KEPT = ("store", "false")
 # The error code of a request whose result MongoDB could never store (its record is failed).
 RESULT_UNSTORABLE = "result_unstorable"
 # Write errors that are the document's own (retrying it cannot help). Any other write
@@ -210,8 +213,13 @@ class ResultStore:
 
     def as_stored(self, record: ResultRecord) -> ResultRecord:
         """The record as storing makes it: marked stored, with its expiry (its webhook's
-        outcome, where it has one, comes later: set_webhook_status)."""
-        return record.model_copy(update={"stored": True, "expires_at": expiry_of(record, self.retention)})
+        outcome, where it has one, comes later: set_webhook_status); of a request whose
+        caller asked that nothing of it be kept (OpenAI's `store: false`), without its
+        inputs, parameters and outputs (its status, usage and timings stay, for accounting)."""
+        update: dict[str, Any] = {"stored": True, "expires_at": expiry_of(record, self.retention)}
+        if record.metadata.get(NOT_KEPT[0]) == NOT_KEPT[1]:
+            update |= {"inputs": {}, "parameters": {}, "outputs": None}
+        return record.model_copy(update=update)
 
     def document(self, record: ResultRecord) -> dict[str, Any]:
         return record_to_document(self.as_stored(record))
