@@ -8,7 +8,9 @@ OTEL_* configuration), and on with an SDK tracer of the test's own."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -30,10 +32,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from gateway.common import tracing
 from gateway.server.dispatch.runner import Runner
 from gateway.stack.process import free_port
+from gateway.stack.triton import triton_models_ready
 from tests.conftest import AUTH
 from tests.gateway_calls import llm_body, wait_result
 
 TRACED_DB = 54
+TRITON_TRACED_DB = 55
+TRITON_MODEL = "llm_engine"  # what `llm` calls (the engine path)
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
@@ -82,6 +87,11 @@ class Collector:
                 break
         if (b"content-encoding", b"gzip") in scope["headers"]:
             body = gzip.decompress(body)
+        if (b"content-type", b"application/json") in scope["headers"]:
+            self._json(json.loads(body))  # Triton's exporter posts OTLP/JSON
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
         for resource_spans in request.resource_spans:
@@ -105,6 +115,17 @@ class Collector:
         headers = [(b"content-type", b"application/x-protobuf")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
+
+    def _json(self, request: dict[str, Any]) -> None:
+        """OTLP/JSON: ids in hex, attribute values as {"stringValue": ...} and the like."""
+        for resource_spans in request.get("resourceSpans", []):
+            attributes = resource_spans.get("resource", {}).get("attributes", [])
+            service = next((a["value"].get("stringValue", "") for a in attributes if a["key"] == "service.name"), "")
+            for scope_spans in resource_spans.get("scopeSpans", []):
+                for span in scope_spans.get("spans", []):
+                    values = {a["key"]: next(iter(a["value"].values()), None) for a in span.get("attributes", [])}
+                    ids = (span.get(key, "").lower() for key in ("traceId", "spanId", "parentSpanId"))
+                    self.spans.append(Span(*ids, span.get("name", ""), service, values))
 
     async def trace(self, trace_id: str, wanted: set[str], timeout: float = 30) -> dict[str, Span]:
         """The trace's spans by name, once it has every wanted name."""
@@ -217,6 +238,53 @@ async def test_a_request_without_a_traceparent_starts_a_trace_of_its_own(traced,
     assert trace_id != CLIENT_TRACE
     spans = await collector.trace(trace_id, {"accept", "run", "finish", "binder.store"})
     assert spans["accept"].parent == ""
+
+
+@pytest.fixture(scope="module")
+def traced_triton(stack, collector: Collector) -> Iterator[str]:
+    """A Triton of its own (llm_engine only) tracing with OpenTelemetry to the collector, and
+    a gateway that calls it: the gateway's URL."""
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    spec = stack.launcher.triton("triton-otel", http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
+    argv = [arg for arg in spec.argv if not arg.startswith("--load-model=")]
+    argv += [
+        f"--load-model={TRITON_MODEL}",
+        "--trace-config=mode=opentelemetry",
+        f"--trace-config=opentelemetry,url=http://127.0.0.1:{collector.port}/v1/traces",
+        "--trace-config=opentelemetry,resource=service.name=triton-otel",
+        "--trace-config=rate=1",
+        "--trace-config=level=TIMESTAMPS",
+    ]
+    ready = lambda: triton_models_ready(f"http://127.0.0.1:{http_port}", [TRITON_MODEL])  # noqa: E731
+    triton = stack.start(dataclasses.replace(spec, argv=argv, ready=ready))
+    gateway, gateway_url = stack.start_gateway(
+        "gateway-otel-triton",
+        REDIS_URL=stack.redis_db_url(TRITON_TRACED_DB),
+        TRITON_GRPC_URLS=f"127.0.0.1:{grpc_port}",
+        TRITON_METRICS_URLS=f"http://127.0.0.1:{metrics_port}/metrics",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{collector.port}/v1/traces",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    yield gateway_url
+    stack.stop(gateway)
+    stack.stop(triton)
+
+
+async def test_tritons_own_spans_join_the_trace_under_the_replica_call(traced_triton, collector: Collector) -> None:
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4736"
+    await _run(traced_triton, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+    deadline = time.monotonic() + 30
+    while True:
+        spans = [s for s in collector.spans if s.trace_id == trace_id]
+        calls = {s.span_id for s in spans if s.name == "replica.call"}
+        tritons = [s for s in spans if s.service == "triton-otel"]
+        if calls and any(s.parent in calls for s in tritons):
+            break
+        assert time.monotonic() < deadline, (
+            f"no Triton span under the replica call: {[(s.service, s.name) for s in spans]}"
+        )
+        await asyncio.sleep(0.1)
 
 
 # ---- off: this process has no OTEL_* configuration ------------------------------------------
