@@ -274,3 +274,11 @@ def test_cache_control_is_accepted_and_asks_for_nothing(client) -> None:
         cache_control=cached,
     )
     assert message.content[0].text == RENDERED
+
+
+def test_count_tokens_counts_against_the_tenants_requests_per_minute(stack) -> None:
+    key = _tenant_key(stack, "anthropic-count-rpm", limits={"requests_per_minute": 1})
+    limited = anthropic.Anthropic(base_url=stack.gateway_url, api_key=key, max_retries=0, timeout=60)
+    assert limited.messages.count_tokens(model="llm_echo", messages=HELLO).input_tokens > 0
+    with pytest.raises(anthropic.RateLimitError):  # counting runs the tokenizer: it is a request
+        limited.messages.count_tokens(model="llm_echo", messages=HELLO)

@@ -306,10 +306,12 @@ async def count_tokens(
     body: CountTokensRequest, request: Request, who: Annotated[Caller, Depends(caller)]
 ) -> dict[str, int]:
     """The prompt's tokens as the model reads it (its chat template, the tools offered):
-    what the call's input_tokens would be before the prefix cache. Nothing runs."""
+    what the call's input_tokens would be before the prefix cache. Nothing runs, but the
+    tokenizer does: the call counts as a request against the tenant's requests per minute."""
     svc = services(request)
     native = chat.chat_request(chat_body(body), svc)[0]
     adapter = svc.registry.get(body.model)
+    who.headers |= await svc.quotas.admit(who.config, 0)
 
     def count() -> int:
         return adapter.prompt_tokens(adapter.validate(native.inputs, native.parameters)) or 0
