@@ -19,6 +19,8 @@ Its spans, in the order the request lives them (names as exported):
 The context travels inside the request: accept puts the W3C `traceparent` of its span into
 the request's payload (through Redis to whichever process runs it) and its record (to the
 binder), as python-arq's opentelemetry support puts a job's context into the job.
+Embedding requests whose rows share a Triton call (replicas/batching.py) send Triton no
+traceparent: one call serves several traces.
 
 Configuration is OpenTelemetry's own environment: tracing is on when OTEL_TRACES_EXPORTER
 names an exporter (`otlp`, `console`) or an OTLP endpoint is set
