@@ -506,7 +506,7 @@ class RedisClients:
 
         A retry runs on a new connection, whose WAIT counts only that connection's own
         writes: the replicated scripts (SUBMIT, FINISH) therefore write something even when
-        they find their own earlier write (a replay: gateway/server/queue/scripts.py
+        they find their own earlier write (a replay: gateway/server/queue/scripts/
         `sync`), so a WAIT after a replay still covers the write it found."""
         if self.group is not None:
             return await self.group.call(script, keys, args, wait=True)

@@ -17,7 +17,7 @@ details live.
     5. read     READ: the request, its record while Redis holds it, or where it waits
 
 The spine is the only caller of the script layer (gateway.server.queue.jobs over the Lua
-scripts of queue/scripts.py). Its drivers: the API routes and the batch runner call
+scripts of queue/scripts/). Its drivers: the API routes and the batch runner call
 accept (Submitter) and read (results/reader.py); each process's dispatcher
 (dispatch/dispatcher.py) calls start, run and finish for the runs it holds, the sweeper
 expire and reclaim. The spine imports nothing above it: what it needs of its drivers (a

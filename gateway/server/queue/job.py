@@ -127,7 +127,7 @@ class QueueStanding:
 
 
 def _standing(reply: list[Any] | None) -> QueueStanding | None:
-    """A QueueStanding from the scripts' reply (see scripts._STANDING); None: not queued."""
+    """A QueueStanding from the scripts' reply (see scripts/reads.py _STANDING); None: not queued."""
     if not reply:
         return None
     mine, tenants, rank, first, started = (int(value) for value in reply)

@@ -10,7 +10,7 @@ How the reader waits depends on how many streams of the shard it follows:
   named, every time one of them is written (~700 µs of Redis a call at 200 streams, and
   ~1.3 ms of this loop's time packing a call at 1,000: docs/benchmarks.md). So the reader
   blocks on the shard's notices instead (the scripts that write a followed request's
-  events name it there, once a call: queue/scripts.py, FOLLOW), then reads the streams
+  events name it there, once a call: queue/scripts/runs.py, FOLLOW), then reads the streams
   named. Where each stream is read from stays the reader's own, so a notice lost (trimmed
   while the reader lagged, or by a failover) delays events and loses none: every stream is
   read anyway every FULL_READ_EVERY_S.
