@@ -15,7 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from gateway.server.routing.blocks import block_keys, salt_id
+from gateway.server.llm.blocks import block_keys, salt_id
 from tests.gateway_calls import read_events, submit, wait_result
 
 MODEL_REPO = Path(__file__).resolve().parents[1] / "model_repo"

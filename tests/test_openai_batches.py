@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from gateway.common.result_store import RESULTS_COLLECTION
-from gateway.server.openai import batch_runner
-from gateway.server.openai.batch_runner import BatchRunner
-from gateway.server.openai.batches import BatchStore
-from gateway.server.openai.files import FileStore
+from gateway.server.openai.files import batch_runner
+from gateway.server.openai.files.batch_runner import BatchRunner
+from gateway.server.openai.files.batch_store import BatchStore
+from gateway.server.openai.files.store import FileStore
 from gateway.server.settings import GatewaySettings
 from tests.conftest import AUTH, kill_by_pid
 from tests.test_tenants import ECHO, client_for, new_key, set_tenant

@@ -1,5 +1,5 @@
-"""Conversations and response chains bounded and paged (gateway/server/openai/conversations.py,
-response_store.py, responses.py): caps on a conversation's items and bytes refused by name,
+"""Conversations and response chains bounded and paged (gateway/server/openai/responses/conversations.py,
+responses/store.py, responses/chains.py): caps on a conversation's items and bytes refused by name,
 adding items counted in the tenant's requests per minute, TTL indexes, pages read from
 MongoDB by position (a page of one item of a full conversation reads one item's bytes),
 items found by id, responses that expired no longer in their conversation, and a
@@ -21,8 +21,8 @@ import pytest
 from pymongo import AsyncMongoClient, monitoring
 
 from gateway.common.result_store import ResultStore
-from gateway.server.openai.response_store import CONVERSATIONS, ENTRIES, ConversationStore, item_entry
-from gateway.server.openai.responses import conversation_page
+from gateway.server.openai.responses.chains import conversation_page
+from gateway.server.openai.responses.store import CONVERSATIONS, ENTRIES, ConversationStore, item_entry
 from gateway.server.services import Services
 from gateway.server.settings import GatewaySettings
 from gateway.server.tenants.caller import Caller

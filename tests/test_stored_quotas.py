@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server.openai import batch_runner
-from gateway.server.openai.batch_runner import BatchRunner
-from gateway.server.openai.batches import BatchStore
-from gateway.server.openai.files import FileStore
+from gateway.server.openai.files import batch_runner
+from gateway.server.openai.files.batch_runner import BatchRunner
+from gateway.server.openai.files.batch_store import BatchStore
+from gateway.server.openai.files.store import FileStore
 from gateway.server.settings import GatewaySettings
 from tests.conftest import AUTH
 from tests.test_openai_batches import chat_line, jsonl

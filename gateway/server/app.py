@@ -39,20 +39,17 @@ from gateway.server.dispatch.sweeper import Sweeper
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.models.inputs import limit_image_pixels
-from gateway.server.openai import (
-    batches,
-    chat,
-    conversations,
-    embeddings,
-    files,
-    responses,
-    responses_compact,
-    responses_ws,
-)
-from gateway.server.openai.batch_runner import BatchRunner
-from gateway.server.openai.batches import BatchStore
+from gateway.server.openai import chat, embeddings
 from gateway.server.openai.errors import openai_error
-from gateway.server.openai.files import UPLOAD_FRAMING, FileStore, before_upload
+from gateway.server.openai.files import batches, files
+from gateway.server.openai.files.batch_runner import BatchRunner
+from gateway.server.openai.files.batch_store import BatchStore
+from gateway.server.openai.files.files import UPLOAD_FRAMING, before_upload
+from gateway.server.openai.files.store import FileStore
+from gateway.server.openai.responses import compact as responses_compact
+from gateway.server.openai.responses import conversations
+from gateway.server.openai.responses import create as responses
+from gateway.server.openai.responses import websocket as responses_ws
 from gateway.server.queue.jobs import JobStore
 from gateway.server.replicas import Replica, ReplicaPool
 from gateway.server.replicas.discovery import replica_discovery

@@ -4,7 +4,7 @@ routes (request.app.state.services)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request
 from redis.asyncio import Redis
@@ -26,6 +26,23 @@ from gateway.server.tenants.keys import KeyStore
 from gateway.server.tenants.quotas import Quotas
 from gateway.server.tenants.usage import UsageLedger
 
+if TYPE_CHECKING:
+    # (Below the /v1 routes: these store modules import neither this module nor the routes.)
+    from gateway.server.openai.files.batch_store import BatchStore
+    from gateway.server.openai.files.store import FileStore
+
+
+class BatchWork(Protocol):
+    """What the routes and the lifespan ask of the batch runner
+    (gateway.server.openai.files.batch_runner.BatchRunner). It is built from the Services it
+    belongs to, so it is named here by what it does, not by its class."""
+
+    def notice(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+    async def close(self) -> None: ...
+
 
 @dataclass
 class Services:
@@ -46,12 +63,9 @@ class Services:
     tenants: TenantStore
     quotas: Quotas
     usage: UsageLedger
-    # The /v1 file and batch stores and the batch runner (gateway.server.openai: FileStore,
-    # BatchStore, BatchRunner), typed loosely here: that layer sits above this module and
-    # imports it, so naming its classes here would close an import circle.
-    files: Any
-    batches: Any
-    batch_runner: Any = field(init=False)  # needs the Services it belongs to
+    files: FileStore
+    batches: BatchStore
+    batch_runner: BatchWork = field(init=False)  # needs the Services it belongs to
 
 
 def services(request: Request) -> Services:

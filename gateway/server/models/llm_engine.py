@@ -42,6 +42,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import Usage
 from gateway.protocol.storable import StorableDict
+from gateway.server.llm.blocks import block_keys, salt_id
 from gateway.server.llm.detokenizer import Detokenizer
 from gateway.server.llm.stops import StopMatcher
 from gateway.server.llm.tokenizer import _BYTE_LEVEL as BYTE_LEVEL
@@ -58,7 +59,6 @@ from gateway.server.models.base import (
     tensor,
 )
 from gateway.server.models.inputs import MAX_TEXT_CHARS, EngineParameters, Strict, Word
-from gateway.server.routing.blocks import block_keys, salt_id
 
 if TYPE_CHECKING:
     from gateway.server.models.spec import ModelSpec

@@ -277,13 +277,13 @@ class EmbeddingRequest(Body):
 ItemId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 # What an input item's content parts may be here: text. Others (input_image, input_file,
-# refusal, ...) are refused by their type (responses.py names them).
+# refusal, ...) are refused by their type (responses/items.py names them).
 RESPONSE_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class ResponseContentPart(Body):
     type: str = Field(default="input_text", max_length=64)
-    text: Text | None = None  # required for a text part (responses.py says so by name)
+    text: Text | None = None  # required for a text part (responses/items.py says so by name)
     # An output_text part of an earlier response, given back as input: what the model
     # said, with what came with it (kept as given, not read).
     annotations: StorableList | None = None
@@ -338,7 +338,7 @@ class CompactionItem(Body):
 
 class OtherInputItem(Body):
     """An input item of any other type (item_reference, reasoning, built-in tools' calls):
-    refused by its type (responses.py)."""
+    refused by its type (responses/items.py)."""
 
     type: str = Field(max_length=64)
 
@@ -366,7 +366,7 @@ class ResponseTool(Body):
     types (web_search, file_search, custom, ...) are refused by their type."""
 
     type: str = Field(default="function", max_length=64)
-    name: FunctionName | None = None  # required for a function (responses.py says so by name)
+    name: FunctionName | None = None  # required for a function (responses/call.py says so by name)
     description: Text | None = None
     parameters: StorableDict | None = None
     strict: bool | None = None

@@ -2,7 +2,7 @@
 /v1/conversations/{id}, POST/GET /v1/conversations/{id}/items, GET/DELETE
 /v1/conversations/{id}/items/{item_id}.
 
-A conversation is kept in MongoDB with its tenant (response_store.ConversationStore): the
+A conversation is kept in MongoDB with its tenant (store.ConversationStore): the
 items added to it, and the responses made in it (`conversation` on POST /v1/responses),
 whose input and output items are its items too, read from the responses as they ended
 (so a response that ends on any gateway, or after a restart, is in it). A response in a
@@ -10,7 +10,7 @@ conversation is given the conversation's items before its own input. Items are t
 messages, function calls and their outputs, as on /v1/responses (other types are refused
 by their type).
 
-Bounds (response_store.ConversationStore): a conversation holds at most
+Bounds (store.ConversationStore): a conversation holds at most
 CONVERSATION_MAX_ITEMS items and CONVERSATION_MAX_BYTES bytes (400
 conversation_items_limit / conversation_bytes_limit beyond); a call that adds items counts
 as one request against the tenant's requests per minute (429 beyond); it and its items
@@ -29,15 +29,10 @@ from pydantic import Field
 
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.openai.response_store import ConversationStore, item_entry
-from gateway.server.openai.responses import (
-    check_include,
-    conversation_of,
-    conversation_page,
-    entry_of,
-    items_of,
-    with_ids,
-)
+from gateway.server.openai.paging import listing
+from gateway.server.openai.responses.chains import conversation_of, conversation_page, entry_of
+from gateway.server.openai.responses.items import check_include, items_of, with_ids
+from gateway.server.openai.responses.store import ConversationStore, item_entry
 from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported
 from gateway.server.services import services
 
@@ -77,16 +72,6 @@ async def _add(request: Request, who: Caller, conversation: str, given: list[Any
     who.headers |= await svc.quotas.admit(who.config, 1)
     await ConversationStore(svc).append(who.scope, conversation, [item_entry(item) for item in items])
     return items
-
-
-def _page(items: list[dict[str, Any]], more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": more,
-    }
 
 
 @router.post("/conversations", summary="Create a conversation")
@@ -133,7 +118,7 @@ async def create_items(
     items_of(body.items, param="items")
     refuse_unsupported(body, "conversations")
     await conversation_of(services(request), who, conversation)
-    return JSONResponse(_page(await _add(request, who, conversation, body.items), False))
+    return JSONResponse(listing(await _add(request, who, conversation, body.items), False))
 
 
 @router.get("/conversations/{conversation}/items", summary="List a conversation's items")
@@ -149,7 +134,7 @@ async def list_items(
     check_include(request)
     await conversation_of(svc, who, conversation)
     page, more = await conversation_page(svc, who, conversation, limit=limit, after=after, descending=order == "desc")
-    return JSONResponse(_page(page, more))
+    return JSONResponse(listing(page, more))
 
 
 Found = tuple[dict[str, Any], dict[str, Any]]  # (its entry, the item)

@@ -1,20 +1,5 @@
-"""The Files API (OpenAI's shapes): POST /v1/files, GET /v1/files, GET /v1/files/{id},
-GET /v1/files/{id}/content, DELETE /v1/files/{id}.
-
-Files live in MongoDB's GridFS (bucket `files`), never only in memory: a batch's input
-survives any gateway, and its output and error files are written there too. Each file
-belongs to one tenant; another tenant gets 404. Uploads are limited to MAX_FILE_BYTES
-(413 beyond), and only purpose `batch` is taken (the Batch API is what files are for).
-A tenant keeps at most TENANT_MAX_FILES files of TENANT_MAX_FILE_BYTES bytes together
-(an upload past either: 403 file_count_quota_exceeded / file_bytes_quota_exceeded).
-
-Every file expires (its `expires_at`): an upload FILE_RETENTION_S (30 days) after it was
-made, or after OpenAI's `expires_after` (anchor `created_at`, one hour to 30 days); a
-batch's output and error files FILE_RETENTION_S after they are written. An expired file
-reads as gone at once (404, not listed); every gateway sweeps expired files out of GridFS
-(chunks, then the file document) every FILE_SWEEP_INTERVAL_S. A TTL index cannot do it:
-GridFS's chunks carry no date, and the local MongoDB-wire server (nx-27017) keeps no TTL
-index on GridFS's collections."""
+"""Files of tenants in MongoDB's GridFS (bucket `files`): what the Files API and the batch
+runner read and write, and the sweep of expired files (files.py says how files expire)."""
 
 from __future__ import annotations
 
@@ -22,23 +7,16 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import IO, Annotated, Any
+from typing import IO, Any
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import StreamingResponse
 from gridfs import AsyncGridFSBucket, NoFile
 from gridfs.errors import CorruptGridFile
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from gateway.protocol import new_request_id
-from gateway.server.api.errors import ApiError
-from gateway.server.api.tenancy import Caller, caller
-from gateway.server.services import Services, services
 
 log = logging.getLogger(__name__)
-
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 BUCKET = "files"
 # OpenAI's bounds of an upload's expires_after[seconds]: one hour to 30 days.
@@ -242,139 +220,3 @@ def file_object(document: dict[str, Any], retention_s: int = DEFAULT_RETENTION_S
         "expires_at": int(metadata.get("expires_at", created_at + retention_s)),
         "status_details": None,
     }
-
-
-def files_of(request: Request) -> FileStore:
-    return services(request).files
-
-
-def _not_found(file_id: str) -> ApiError:
-    return ApiError(404, "not_found", f"no file {file_id}", details={"param": "file_id"})
-
-
-@router.post("/files", summary="Upload a file (OpenAI; purpose batch)")
-async def upload_file(
-    request: Request,
-    who: Annotated[Caller, Depends(caller)],
-    file: Annotated[UploadFile, File()],
-    purpose: Annotated[str, Form()],
-    anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
-    seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
-) -> dict[str, Any]:
-    svc: Services = services(request)
-    if purpose not in UPLOAD_PURPOSES:
-        raise ApiError(
-            400, "invalid_purpose", f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}", details={"param": "purpose"}
-        )
-    if (anchor, seconds) != (None, None):
-        if anchor != "created_at":
-            raise ApiError(
-                400,
-                "invalid_expires_after",
-                "expires_after[anchor] must be created_at",
-                details={"param": "expires_after"},
-            )
-        if seconds is None or not MIN_EXPIRES_AFTER_S <= seconds <= MAX_EXPIRES_AFTER_S:
-            raise ApiError(
-                400,
-                "invalid_expires_after",
-                f"expires_after[seconds] must be between {MIN_EXPIRES_AFTER_S} and {MAX_EXPIRES_AFTER_S}",
-                details={"param": "expires_after"},
-            )
-    size = file.size if file.size is not None else len(await file.read())
-    await file.seek(0)
-    if size == 0:
-        raise ApiError(400, "empty_file", "the file is empty", details={"param": "file"})
-    if size > svc.settings.max_file_bytes:
-        raise ApiError(413, "file_too_large", f"a file may be at most {svc.settings.max_file_bytes} bytes")
-    await refuse_over_quota(svc, who.tenant, size)
-    return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
-
-
-# What an upload's multipart framing (boundaries, part headers, the form's other fields)
-# adds to the file itself, at most.
-UPLOAD_FRAMING = 1 << 20
-
-
-async def before_upload(svc: Services, who: Caller, declared: int | None) -> None:
-    """POST /v1/files before a byte of its body is read (the edge calls it): an upload
-    whose declared size, less its framing, would take the tenant past its file quota is
-    refused then, not after the gateway spooled it (checked again on the file's own size)."""
-    size = max(1, declared - UPLOAD_FRAMING) if declared is not None else 1
-    await refuse_over_quota(svc, who.tenant, size)
-
-
-async def refuse_over_quota(svc: Services, tenant: str, size: int) -> None:
-    """Refuse (403) an upload of size bytes that would take the tenant past what it may
-    store: TENANT_MAX_FILES files or TENANT_MAX_FILE_BYTES bytes (0: no limit; a batch's
-    output files count too). Checked before storing: uploads at the same moment may pass
-    it together."""
-    settings = svc.settings
-    max_files, max_bytes = settings.tenant_max_files, settings.tenant_max_file_bytes
-    if not max_files and not max_bytes:
-        return
-    count, used = await svc.files.usage(tenant)
-    if max_files and count + 1 > max_files:
-        raise ApiError(
-            403,
-            "file_count_quota_exceeded",
-            f"tenant {tenant} keeps {count} files, its quota (TENANT_MAX_FILES) is {max_files}: delete some first",
-            details={"quota": "TENANT_MAX_FILES", "limit": max_files, "used": count},
-        )
-    if max_bytes and used + size > max_bytes:
-        raise ApiError(
-            403,
-            "file_bytes_quota_exceeded",
-            f"tenant {tenant} keeps {used} bytes of files, this file would take it past its quota "
-            f"(TENANT_MAX_FILE_BYTES) of {max_bytes}: delete some first",
-            details={"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": used},
-        )
-
-
-def label(filename: str | None) -> str:
-    """A client's file name as an opaque label: its last path part, without control
-    characters, at most 255 characters. Files are never stored under it."""
-    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
-    name = "".join(c for c in name if c.isprintable()).strip()
-    return name[:255] if name not in ("", ".", "..") else "upload.jsonl"
-
-
-@router.get("/files", summary="The tenant's files (OpenAI)")
-async def list_files(
-    request: Request,
-    who: Annotated[Caller, Depends(caller)],
-    purpose: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
-    after: str | None = None,
-) -> dict[str, Any]:
-    data = await files_of(request).list(who.tenant, purpose, limit + 1, after)
-    return {
-        "object": "list",
-        "data": data[:limit],
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[:limit][-1]["id"] if data else None,
-        "has_more": len(data) > limit,
-    }
-
-
-@router.get("/files/{file_id}", summary="One file (OpenAI)")
-async def get_file(file_id: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
-    found = await files_of(request).get(who.tenant, file_id)
-    if found is None:
-        raise _not_found(file_id)
-    return found
-
-
-@router.get("/files/{file_id}/content", summary="A file's content (OpenAI)")
-async def get_file_content(file_id: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
-    chunks = await files_of(request).chunks(who.tenant, file_id)
-    if chunks is None:
-        raise _not_found(file_id)
-    return StreamingResponse(chunks, media_type="application/octet-stream")
-
-
-@router.delete("/files/{file_id}", summary="Delete a file (OpenAI)")
-async def delete_file(file_id: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
-    if not await files_of(request).delete(who.tenant, file_id):
-        raise _not_found(file_id)
-    return {"id": file_id, "object": "file", "deleted": True}

@@ -38,7 +38,11 @@ from gateway.protocol.http import InferRequest
 from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.errors import Busy, Refused
-from gateway.server.openai.batches import (
+from gateway.server.openai.chat import chat_completion, chat_request, completion_request, text_completion
+from gateway.server.openai.common import raise_for_record, tokens_per_block, tool_format
+from gateway.server.openai.embeddings import embedding_adapter, embedding_requests, embeddings_response
+from gateway.server.openai.errors import error_status, openai_error_body
+from gateway.server.openai.files.batch_store import (
     ACTIVE,
     FAILED,
     PENDING,
@@ -47,11 +51,7 @@ from gateway.server.openai.batches import (
     SUCCEEDED,
     BatchStore,
 )
-from gateway.server.openai.chat import chat_completion, chat_request, completion_request, text_completion
-from gateway.server.openai.common import raise_for_record, tokens_per_block, tool_format
-from gateway.server.openai.embeddings import embedding_adapter, embedding_requests, embeddings_response
-from gateway.server.openai.errors import error_status, openai_error_body
-from gateway.server.openai.files import OUTPUT_PURPOSE
+from gateway.server.openai.files.store import OUTPUT_PURPOSE
 from gateway.server.openai.schemas import BatchLine, ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.server.services import Services
 from gateway.server.tenants.caller import Caller

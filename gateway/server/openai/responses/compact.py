@@ -23,8 +23,10 @@ from fastapi.responses import JSONResponse
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai import common
-from gateway.server.openai.compactions import CompactionStore, new_compaction
-from gateway.server.openai.responses import response_call, response_id, with_ids
+from gateway.server.openai.responses.call import response_call
+from gateway.server.openai.responses.compactions import CompactionStore, new_compaction
+from gateway.server.openai.responses.items import with_ids
+from gateway.server.openai.responses.settings import response_id
 from gateway.server.openai.schemas import ResponseCompactRequest, ResponseRequest, refuse_unsupported
 from gateway.server.services import services
 

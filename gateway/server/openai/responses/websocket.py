@@ -38,16 +38,11 @@ from gateway.server.api.errors import ApiError, ErrorRenderer
 from gateway.server.api.tenancy import Caller, identify
 from gateway.server.openai import common
 from gateway.server.openai.errors import openai_error, openai_error_body
-from gateway.server.openai.response_store import ResponseStore, item_bytes
-from gateway.server.openai.responses import (
-    ResponseSettings,
-    keep,
-    request_id_of,
-    response_call,
-    response_events,
-    settings_of_record,
-    with_ids,
-)
+from gateway.server.openai.responses.call import keep, response_call
+from gateway.server.openai.responses.events import response_events
+from gateway.server.openai.responses.items import with_ids
+from gateway.server.openai.responses.settings import ResponseSettings, request_id_of, settings_of_record
+from gateway.server.openai.responses.store import ResponseStore, item_bytes
 from gateway.server.openai.schemas import ResponseRequest
 from gateway.server.services import Services
 

@@ -1,0 +1,289 @@
+"""A create call as the gateway runs it: the request for the engine, what the response
+echoes, its input items and the items before them (its chain or its conversation)."""
+
+import json
+from typing import Any
+
+from gateway.protocol.http import InferRequest
+from gateway.server import spine
+from gateway.server.api.tenancy import Caller
+from gateway.server.llm import tools as toolcalls
+from gateway.server.openai import common
+from gateway.server.openai.chat import parameters
+from gateway.server.openai.responses.chains import (
+    continued,
+    conversation_items,
+    conversation_of,
+)
+from gateway.server.openai.responses.compactions import CompactionStore
+from gateway.server.openai.responses.items import (
+    chat_messages,
+    input_items,
+    with_ids,
+)
+from gateway.server.openai.responses.settings import (
+    ResponseSettings,
+    invalid,
+    response_id,
+)
+from gateway.server.openai.responses.store import ConversationStore, ResponseStore, item_bytes, response_entry
+from gateway.server.openai.schemas import (
+    INCLUDE_LOGPROBS,
+    Message,
+    ResponseRequest,
+    refuse_unsupported,
+    unsupported,
+)
+from gateway.server.services import Services
+
+# -- a call, as a request ---------------------------------------------------------------------
+
+
+def _settings(body: ResponseRequest, tools: list[dict[str, Any]], logprobs: bool) -> ResponseSettings:
+    choice: str | dict[str, Any] = "auto"
+    if isinstance(body.tool_choice, str):
+        choice = body.tool_choice
+    elif body.tool_choice is not None:
+        choice = {"type": "function", "name": body.tool_choice.name}
+    text_format = body.text.format if body.text is not None else None
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    if text_format is not None and text_format.type == "json_object":
+        text = {"format": {"type": "json_object"}}
+    elif text_format is not None and text_format.type == "json_schema":
+        shaped = {
+            "type": "json_schema",
+            "name": text_format.name or "response",
+            "description": text_format.description,
+            "schema": text_format.schema_,
+            "strict": bool(text_format.strict),
+        }
+        text = {"format": shaped}
+    return ResponseSettings(
+        background=bool(body.background),
+        store=body.store is not False,
+        instructions=body.instructions,
+        previous_response_id=body.previous_response_id,
+        conversation=_conversation_id(body),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        max_tool_calls=body.max_tool_calls,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        top_logprobs=body.top_logprobs or 0,
+        logprobs=logprobs,
+        # The cap that applies: the one given, else the gateway's default (a response cut by
+        # either says max_output_tokens, and this says which number it was).
+        max_output_tokens=body.max_output_tokens or common.DEFAULT_MAX_TOKENS,
+        text=text,
+        metadata=dict(body.metadata or {}),
+        user=body.user,
+        safety_identifier=body.safety_identifier,
+        prompt_cache_key=body.prompt_cache_key,
+        service_tier=common.tier(body.service_tier).name,
+    )
+
+
+def _conversation_id(body: ResponseRequest) -> str | None:
+    found = body.conversation
+    return found if isinstance(found, str) or found is None else found.id
+
+
+def _tools(body: ResponseRequest) -> list[dict[str, Any]]:
+    """The function tools offered, as the response object shows them; other types refused."""
+    tools: list[dict[str, Any]] = []
+    for index, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            raise unsupported(
+                f"tools[{index}].type",
+                f"tools of type {tool.type} are not supported: only function tools (your code runs them)",
+            )
+        if tool.name is None:
+            raise invalid(f"tools[{index}].name", f"tools[{index}].name: a function tool needs its name")
+        strict = True if tool.strict is None else tool.strict
+        tools.append(
+            {
+                "type": "function",
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.parameters,
+                "strict": strict,
+            }
+        )
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        if choice.type != "function":
+            raise unsupported("tool_choice.type", f"tool_choice of type {choice.type} is not supported: use function")
+        if choice.name is None:
+            raise invalid("tool_choice.name", "tool_choice.name: name the function to call")
+        if choice.name not in {t["name"] for t in tools}:
+            raise invalid("tool_choice", f"tool_choice names {choice.name}, which is not in tools")
+    elif choice == "required" and not tools:
+        raise invalid("tool_choice", "tool_choice required needs tools")
+    return tools
+
+
+def _refuse_reasoning(body: ResponseRequest) -> None:
+    """A `reasoning` that asks for nothing (every option null) is no refusal."""
+    extra = body.model_extra
+    reasoning = extra.get("reasoning") if extra else None
+    if extra is not None and isinstance(reasoning, dict) and all(v is None for v in reasoning.values()):
+        del extra["reasoning"]
+
+
+class Call:
+    """A create call as the gateway runs it: the request, what the response echoes, its
+    input items and the chain before it."""
+
+    def __init__(
+        self,
+        native: InferRequest,
+        settings: ResponseSettings,
+        items: list[dict[str, Any]],
+        chain: list[str],
+        context: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.native, self.settings, self.items, self.chain = native, settings, items, chain
+        self.context = context or []  # the items given before its own (chain or conversation)
+        self.context_bytes = sum(item_bytes(item) for item in self.context)
+
+
+def _check_call_ids(context: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """Each function_call_output answers a function_call made before it (in the chain, the
+    conversation or the input), as OpenAI checks."""
+    called = {str(item.get("call_id")) for item in context if item.get("type") == "function_call"}
+    for index, item in enumerate(items):
+        if item["type"] == "function_call":
+            called.add(str(item["call_id"]))
+        elif item["type"] == "function_call_output" and str(item["call_id"]) not in called:
+            raise invalid(
+                f"input[{index}].call_id",
+                f"input[{index}].call_id: no function call with call_id {item['call_id']} comes before this "
+                "function_call_output (in the input, or the previous response's output)",
+            )
+
+
+async def _summaries(
+    svc: Services, who: Caller, context: list[dict[str, Any]], items: list[dict[str, Any]]
+) -> dict[str, str]:
+    """The summaries the compaction items given name (refused by place when not kept)."""
+    references = [
+        (f"input[{index}].encrypted_content" if index >= 0 else "previous_response_id", str(item["encrypted_content"]))
+        for index, item in [(-1, i) for i in context] + list(enumerate(items))
+        if item.get("type") == "compaction"
+    ]
+    return await CompactionStore(svc).summaries(who.scope, references) if references else {}
+
+
+async def response_call(
+    body: ResponseRequest, svc: Services, who: Caller, previous: list[dict[str, Any]] | None = None
+) -> Call:
+    """The call as a request. `previous`: the items of previous_response_id when the caller
+    holds them (a WebSocket's store: false responses), instead of reading its chain."""
+    adapter = common.llm(svc, body.model, chat=True)
+    items = input_items(body)
+    tools = _tools(body)
+    _refuse_reasoning(body)
+    refuse_unsupported(body, "responses")
+    run_as = common.tier(body.service_tier)
+    for index, item in enumerate(body.include or []):
+        if item != INCLUDE_LOGPROBS:
+            raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
+    if body.store is False and body.background:
+        raise invalid("store", "a background response needs store: true (it is read back by its id)")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "stream_options is only allowed when stream is true")
+    # top_logprobs asks for log-probabilities as much as the include does.
+    logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
+    settings = _settings(body, tools, logprobs)
+    plan = settings.plan(common.tool_format(svc, body.model))
+    chain: list[str] = []
+    context: list[dict[str, Any]] = []
+    if body.previous_response_id and settings.conversation:
+        raise invalid("conversation", "previous_response_id and conversation cannot both be given")
+    if body.previous_response_id and previous is not None:
+        context = previous
+    elif body.previous_response_id:
+        chain, context = await continued(svc, who, body.previous_response_id)
+    if settings.conversation:
+        if not settings.store:
+            raise invalid("store", "a response in a conversation is kept with it: it needs store: true")
+        await conversation_of(svc, who, settings.conversation, "conversation")
+        context = await conversation_items(svc, who, settings.conversation)
+    if not items and not context:
+        raise invalid("input", "input must not be empty")
+    _check_call_ids(context, items)
+    messages = chat_messages(context + items, await _summaries(svc, who, context, items))
+    if body.instructions:
+        messages.insert(0, Message(role="system", content=body.instructions))
+    inputs: dict[str, Any] = {
+        "messages": common.messages(messages),
+        "max_tokens": body.max_output_tokens or common.DEFAULT_MAX_TOKENS,
+    }
+    if plan.tools:
+        common.require(adapter, "tools", "tools")
+        inputs["tools"] = plan.tools
+    text_format = body.text.format if body.text is not None else None
+    if plan.forced:
+        common.require(adapter, "guided_decoding", "tool_choice", "a forced tool call (tool_choice required or named)")
+        # (The output is the call alone: a text.format, for text, has nothing to shape.)
+        schema = toolcalls.forced_call_schema(plan.tools or [])
+        inputs["guided_decoding"] = {"guide_type": "json_schema", "guide": json.dumps(schema)}
+    elif text_format is not None and text_format.type != "text":
+        common.require(adapter, "guided_decoding", "text.format", f"text.format {text_format.type}")
+        if text_format.type == "json_object":
+            guide: dict[str, Any] = {"type": "object"}
+        elif text_format.schema_:
+            guide = text_format.schema_
+        else:
+            raise invalid("text.format.schema", "json_schema needs a schema")
+        inputs["guided_decoding"] = {"guide_type": "json_schema", "guide": json.dumps(guide)}
+    labels = common.metadata(body, "responses", run_as) | {"background": "true" if body.background else "false"}
+    if not settings.store:
+        labels["store"] = "false"
+    native = parameters(
+        body,
+        adapter,
+        logprobs=logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        prompt_cache_key=body.prompt_cache_key,
+    )
+    request = InferRequest(
+        model=body.model,
+        inputs=inputs,
+        parameters=native,
+        stream=bool(body.stream or body.background),
+        metadata=labels,
+        priority=run_as.priority,
+        timeout_s=common.timeout_for(svc, run_as),
+    )
+    return Call(request, settings, items, chain, context)
+
+
+async def keep(svc: Services, who: Caller, call: Call, request_id: str, model: str) -> None:
+    """Keep a stored response's settings and input items (and its place in its
+    conversation); nothing for store: false."""
+    settings = call.settings
+    store = ResponseStore(svc)
+    # (An Idempotency-Key's replay names a response already kept: it is not kept again.)
+    if not settings.store or await store.get(who.scope, response_id(request_id)) is not None:
+        return
+    given = with_ids(call.items, request_id)
+    document = {
+        "model": model,
+        "settings": settings.model_dump(),
+        "input": given,
+        "chain": call.chain,
+        "context_bytes": call.context_bytes,
+    }
+    try:
+        if settings.conversation:
+            calls = settings.max_calls if settings.tools else 0
+            entry = response_entry(response_id(request_id), given, f"msg_{request_id}", calls)
+            (document["position"],) = await ConversationStore(svc).append(who.scope, settings.conversation, [entry])
+        await store.put(who.scope, response_id(request_id), document)
+    except Exception:
+        await spine.cancel(svc.jobs, request_id)  # nothing half done: no response without its settings
+        raise

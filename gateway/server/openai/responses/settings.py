@@ -1,0 +1,146 @@
+"""What a response was asked for (ResponseSettings, kept with a stored response), its id
+and its status as the response object names them."""
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from gateway.protocol import ResultRecord, State, valid_request_id
+from gateway.protocol.http import LiveStatus
+from gateway.server.api.errors import ApiError
+from gateway.server.llm import tools as toolcalls
+from gateway.server.openai import common
+from gateway.server.openai.chat import ChatPlan
+
+# Calls one output may hold (max_tool_calls may say fewer).
+MAX_TOOL_CALLS = 128
+
+STATUS = {
+    State.QUEUED: "queued",
+    State.RUNNING: "in_progress",
+    State.SUCCEEDED: "completed",
+    State.FAILED: "failed",
+    State.EXPIRED: "failed",
+    State.CANCELED: "cancelled",
+}
+
+
+def response_id(request_id: str) -> str:
+    return f"resp_{request_id}"
+
+
+def request_id_of(value: str) -> str:
+    request_id = value.removeprefix("resp_")
+    if not valid_request_id(request_id):
+        raise ApiError(404, "not_found", f"no response {value}")
+    return request_id
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, "invalid_request", message, details={"param": param})
+
+
+# -- what a response was asked for ----------------------------------------------------------
+
+
+class ResponseSettings(BaseModel):
+    """What a response object echoes of its request, and how its output is read (kept in
+    MongoDB with a stored response)."""
+
+    background: bool = False
+    store: bool = True
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    conversation: str | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)  # as the response object shows them
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
+    logprobs: bool = False
+    max_output_tokens: int | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str = "default"
+
+    def plan(self, tool_format: toolcalls.ToolFormat | None) -> ChatPlan:
+        """How the output is read: chat completions' plan for these tools and this choice."""
+        offered = [_chat_tool(tool) for tool in self.tools]
+        choice = self.tool_choice
+        forced = isinstance(choice, dict) or choice == "required"
+        if isinstance(choice, dict):
+            offered = [t for t in offered if t["function"]["name"] == choice.get("name")]
+        return ChatPlan(
+            tools=offered if offered and choice != "none" else None,
+            forced=forced and bool(offered),
+            parallel=self.parallel_tool_calls,
+            logprobs=self.logprobs,
+            tier=common.tier(self.service_tier),
+            tool_format=tool_format,
+        )
+
+    @property
+    def max_calls(self) -> int:
+        return 1 if not self.parallel_tool_calls else self.max_tool_calls or MAX_TOOL_CALLS
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool in chat completions' shape (what the templates render)."""
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+# Labels the gateway keeps with a response's record (not the caller's metadata).
+_OWN_LABELS = (
+    "api",
+    "background",
+    "store",
+    "service_tier",
+    "text_format",
+    "text_format_name",
+    "user",
+    "safety_identifier",
+)
+
+
+def _text_config(labels: dict[str, str], inputs: dict[str, Any]) -> dict[str, Any]:
+    """The text format of a response kept before its settings were (from its labels)."""
+    kind = labels.get("text_format")
+    if kind == "json_object":
+        return {"format": {"type": "json_object"}}
+    if kind == "json_schema":
+        guide = (inputs.get("guided_decoding") or {}).get("guide") or "{}"
+        name = labels.get("text_format_name") or "response"
+        return {"format": {"type": "json_schema", "name": name, "schema": json.loads(guide), "strict": True}}
+    return {"format": {"type": "text"}}
+
+
+def settings_of_record(outcome: ResultRecord | LiveStatus) -> ResponseSettings:
+    """What a response without kept settings echoes: what its record says."""
+    labels = dict(outcome.metadata)
+    found = ResponseSettings(
+        background=labels.get("background", "false") == "true",
+        store=labels.get("store") != "false",
+        metadata={k: v for k, v in labels.items() if k not in _OWN_LABELS},
+        user=labels.get("user"),
+        safety_identifier=labels.get("safety_identifier"),
+        service_tier=labels.get("service_tier", "default"),
+    )
+    if isinstance(outcome, ResultRecord):
+        native = outcome.parameters
+        greedy = native.get("top_k") == 1 and native.get("temperature") is None  # (temperature 0: openai_sampling)
+        found.text = _text_config(labels, outcome.inputs)
+        found.top_logprobs = int(native.get("top_logprobs") or 0)
+        found.logprobs = bool(native.get("logprobs"))
+        found.temperature = 0.0 if greedy else float(native.get("temperature") or 1.0)
+        found.top_p = float(native.get("top_p") or 1.0)
+        found.max_output_tokens = outcome.inputs.get("max_tokens")
+    return found
