@@ -403,11 +403,13 @@ class ConversationParam(Body):
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # Items in one call's input (a whole conversation given back each turn fits).
 MAX_INPUT_ITEMS = 2048
+# A Responses input: text (its own limit, MAX_TEXT_CHARS), or at most MAX_INPUT_ITEMS items.
+InputItems = Annotated[list[ResponseInputItem], Field(max_length=MAX_INPUT_ITEMS)]
 
 
 class ResponseRequest(Body):
     model: str = Field(max_length=128)
-    input: Text | list[ResponseInputItem] = Field(max_length=MAX_INPUT_ITEMS)
+    input: Text | InputItems
     instructions: Text | None = None
     previous_response_id: str | None = Field(default=None, max_length=256)
     conversation: Annotated[str, StringConstraints(max_length=256)] | ConversationParam | None = None
@@ -440,7 +442,7 @@ class ResponseCompactRequest(Body):
     previous_response_id, or both)."""
 
     model: str = Field(max_length=128)
-    input: Text | list[ResponseInputItem] | None = Field(default=None, max_length=MAX_INPUT_ITEMS)
+    input: Text | InputItems | None = None
     instructions: Text | None = None
     previous_response_id: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
