@@ -461,3 +461,20 @@ async def test_a_tenant_whose_receiver_keeps_timing_out_is_backed_off(stack, rec
     finally:
         stack.stop(process)
         await redis.aclose()
+
+
+async def test_v1_and_anthropic_streams_count_against_the_same_share_as_sse_streams(stack, small_gateway: str) -> None:
+    a = await _tenant_client(stack, small_gateway, "streams-v1")
+    async with a, AsyncExitStack() as exits:
+        held = [await submit(a, _long()) for _ in range(2)]
+        for request_id in held:
+            await _open_stream(exits, a, request_id)
+        chat = {"model": "llm_echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        refused = await a.post("/v1/chat/completions", json={**chat, "stream": True})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "tenant_share_exceeded"
+        message = {"model": "llm_echo", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+        refused = await a.post("/v1/messages", json={**message, "stream": True})
+        assert refused.status_code == 429, refused.text
+        answered = await a.post("/v1/chat/completions", json=chat)  # not a stream: answered
+        assert answered.status_code == 200, answered.text

@@ -287,6 +287,8 @@ async def create_message(body: MessagesRequest, request: Request, who: Annotated
     asked = chat_body(body)
     natives = chat.chat_request(asked, svc, common.idempotency_key(request))
     natives = [n.model_copy(update={"metadata": {**n.metadata, "api": API_LABEL}}) for n in natives]
+    if body.stream:  # a stream past the tenant's share of followers: refused before anything is queued
+        svc.events.admissible(who.tenant)
     request_ids = await common.start(svc, who, request, natives)
     request_id = request_ids[0]
     headers = {"x-request-id": request_id, "request-id": request_id}

@@ -372,6 +372,8 @@ async def _answer(
     """Queue the requests; stream their chunks, or wait for them and answer in one piece."""
     svc = services(request)
     run_as = common.tier(body.service_tier)
+    if body.stream:  # a stream past the tenant's share of followers: refused before anything is queued
+        svc.events.admissible(who.tenant)
     request_ids = await common.start(svc, who, request, natives, flex=run_as.flex)
     headers = {"x-request-id": ",".join(request_ids)}
     tpb = common.tokens_per_block(svc, body.model)

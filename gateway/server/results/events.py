@@ -221,7 +221,11 @@ class EventHub:
         self, request_id: str, after: str, *, idle_s: float | None, tenant: str | None = None
     ) -> AsyncIterator[StreamEvent | None]:
         """As follow(), and, until the request has started, None whenever nothing came for
-        idle_s (for the caller to say something meanwhile)."""
+        idle_s (for the caller to say something meanwhile). A follower whose caller did not
+        name the tenant (the /v1, Anthropic and WebSocket streams) counts against the
+        tenant that owns the request, read from its hash: every door shares one share."""
+        if tenant is None:
+            tenant = await self.redis.hget(shard_of(request_id).request(request_id), "tenant")
         # Refused here, before the first event, when the tenant holds its share.
         with self.pool.hold(tenant):
             shard = shard_of(request_id)

@@ -68,6 +68,8 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
     svc = services(request)
     call = await response_call(body, svc, who)
     settings = call.settings
+    if body.stream:  # a stream past the tenant's share of followers: refused before anything is queued
+        svc.events.admissible(who.tenant)
     (request_id,) = await common.start(svc, who, request, [call.native], flex=common.tier(body.service_tier).flex)
     headers = {"x-request-id": request_id}
     await keep(svc, who, call, request_id, body.model)
