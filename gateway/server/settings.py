@@ -87,6 +87,8 @@ class GatewaySettings(ServiceSettings):
     # together (a batch over it fails at validation, `batch_lines_quota_exceeded`).
     tenant_max_active_batches: int = Field(default=100, ge=0)
     tenant_max_batch_lines: int = Field(default=500_000, ge=0)
+    # API keys not revoked (403 beyond).
+    tenant_max_keys: int = Field(default=100, ge=0)
     # Conversations (/v1/conversations): the items one holds and their bytes (JSON; a
     # response made in it counts its input items and one item for its output), 400
     # conversation_items_limit / conversation_bytes_limit beyond. A response in a
@@ -101,8 +103,6 @@ class GatewaySettings(ServiceSettings):
     # A Responses WebSocket (GET /v1/responses upgraded) is closed after this long (OpenAI's
     # 60 minutes): websocket_connection_limit_reached, once its response in flight has ended.
     responses_ws_max_s: float = Field(default=3600.0, gt=0)
-    # API keys not revoked (403 beyond).
-    tenant_max_keys: int = Field(default=100, ge=0)
 
     # -- Tenants --------------------------------------------------------------------------
     # Every call but /healthz and /readyz needs `Authorization: Bearer <API key>`. false:
@@ -142,6 +142,9 @@ class GatewaySettings(ServiceSettings):
     # ... and is admitted below this many waiting requests even when the backlog is full,
     # so no other tenant's flood or batch can make it wait for a 429.
     tenant_backlog_reserve: int = Field(default=16, ge=0)
+    # ... and below this many bytes of them (payloads as stored), the same for bytes: the
+    # share (tenant_backlog_share of max_backlog_bytes) binds while others wait.
+    tenant_backlog_reserve_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
 
     # -- Replica pool -----------------------------------------------------------------------
     # Requests one process keeps in flight on one replica, per model (each model of a
@@ -190,9 +193,6 @@ class GatewaySettings(ServiceSettings):
     # not renewed this long belongs to a dead dispatcher and is started again elsewhere.
     claim_idle_ms: int = Field(default=15_000, ge=50)
     # Free slots of a model kept for light tenants while others are active (at most this
-    # ... and below this many bytes of them (payloads as stored), the same for bytes: the
-    # share (tenant_backlog_share of max_backlog_bytes) binds while others wait.
-    tenant_backlog_reserve_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
     # share of the model's slots; see gateway.server.dispatch.scheduler).
     fair_headroom: float = Field(default=0.25, ge=0, le=1)
     # A request started more often than this fails instead of being run again (runs a

@@ -222,6 +222,7 @@ async def own_usage(
 ) -> dict[str, Any]:
     return await services(request).usage.read(who.tenant, days)
 
+
 @router.get("/admin/tenants/{tenant}/webhook-secret", summary="The secrets that verify a tenant's webhooks")
 async def tenant_webhook_secret(
     tenant: str, request: Request, who: Annotated[Caller, Depends(admin)]
