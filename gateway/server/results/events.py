@@ -42,6 +42,7 @@ from gateway.common.streams import stream_id_order
 from gateway.protocol import EventKind
 from gateway.protocol.redis_keys import Shard, shard_of
 from gateway.server.errors import Refused
+from gateway.server.tenants.caller import calling_tenant
 from gateway.server.tenants.shares import PoolFull, SharedPool
 
 log = logging.getLogger(__name__)
@@ -223,9 +224,9 @@ class EventHub:
         """As follow(), and, until the request has started, None whenever nothing came for
         idle_s (for the caller to say something meanwhile). A follower whose caller did not
         name the tenant (the /v1, Anthropic and WebSocket streams) counts against the
-        tenant that owns the request, read from its hash: every door shares one share."""
+        tenant of the call it serves: every door shares one share."""
         if tenant is None:
-            tenant = await self.redis.hget(shard_of(request_id).request(request_id), "tenant")
+            tenant = calling_tenant()
         # Refused here, before the first event, when the tenant holds its share.
         with self.pool.hold(tenant):
             shard = shard_of(request_id)
