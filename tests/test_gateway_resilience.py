@@ -131,10 +131,11 @@ async def _only(client, replica: str) -> bool:
 
 
 async def _busy(client: httpx.AsyncClient, replica: str) -> bool:
-    """Whether the gateway has requests in flight on `replica`, by its own gauge."""
+    """Whether the gateway has requests in flight on `replica`, by its own gauge (labelled
+    with the replica's name, never its address)."""
     response = await client.get("/metrics")
     for line in response.text.splitlines():
-        if line.startswith(f'gateway_replica_inflight{{replica="{replica}"}} '):
+        if line.startswith(f'gateway_replica_inflight{{replica="{replica_name(replica)}"}} '):
             return float(line.rsplit(" ", 1)[1]) > 0
     return False
 

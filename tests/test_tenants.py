@@ -495,34 +495,27 @@ def embeddings(count: int) -> dict:
     return {"model": "text_embed", "input": [f"input number {n}" for n in range(count)]}
 
 
-async def test_a_multi_input_embeddings_call_over_the_tenants_queue_cap_is_refused_whole(stack, redis) -> None:
+async def test_a_many_input_embeddings_call_is_one_waiting_request_against_the_tenants_queue_cap(stack, redis) -> None:
     await set_tenant(stack, "tenant-embed-cap", limits={"max_concurrent": 1, "max_queued": 3})
     async with client_for(stack, await new_key(stack, "tenant-embed-cap")) as client:
         async with slot_held(client):  # whatever is admitted now stays queued, countable
-            # More inputs than may ever wait: refused as such (no retry can succeed).
-            never = await client.post("/v1/embeddings", json=embeddings(5))
-            assert never.status_code == 400, never.text
-            error = never.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"}
-            assert (error["type"], error["code"]) == ("invalid_request_error", "too_many_requests_in_call")
-            assert await waiting(redis, "tenant-embed-cap") == 0  # not one of the five was queued
-            # A call the cap holds is admitted whole: its three inputs wait behind the slot.
-            fitting = asyncio.create_task(client.post("/v1/embeddings", json=embeddings(3)))
+            # Three calls of five inputs each: three waiting requests, not fifteen.
+            fitting = [asyncio.create_task(client.post("/v1/embeddings", json=embeddings(5))) for _ in range(3)]
             deadline = time.monotonic() + 10
             while await waiting(redis, "tenant-embed-cap") < 3:
-                assert time.monotonic() < deadline and not fitting.done(), "the three inputs were not queued"
+                assert time.monotonic() < deadline and not any(f.done() for f in fitting), "the calls were not queued"
                 await asyncio.sleep(0.05)
-            # One that would fit an empty queue but not this one waits for nothing: 429, whole.
+            # A fourth call waits for nothing: 429, and nothing of it is queued.
             refused = await client.post("/v1/embeddings", json=embeddings(2))
             assert refused.status_code == 429, refused.text
             assert (refused.json()["error"]["type"], refused.json()["error"]["code"]) == (
                 "rate_limit_error",
                 "backlog_full",
             )
-            assert await waiting(redis, "tenant-embed-cap") == 3  # neither of the two was queued
-        answered = await fitting  # the slot was freed: they ran
-    assert answered.status_code == 200, answered.text
-    assert [item["index"] for item in answered.json()["data"]] == [0, 1, 2]
+            assert await waiting(redis, "tenant-embed-cap") == 3
+        answered = [await call for call in fitting]  # the slot was freed: they ran
+    assert [a.status_code for a in answered] == [200, 200, 200]
+    assert [item["index"] for item in answered[0].json()["data"]] == [0, 1, 2, 3, 4]
 
 
 async def usage_totals(client: httpx.AsyncClient) -> dict[str, int]:

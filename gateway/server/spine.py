@@ -365,8 +365,9 @@ async def load(jobs: JobStore, request_id: str) -> Job | None:
     return await jobs.load(request_id)
 
 
-async def load_many(jobs: JobStore, request_ids: list[str]) -> list[Job | None]:
-    """The states of many requests, in one round trip (the sweeper's)."""
+async def load_many(jobs: JobStore, request_ids: list[str]) -> list[Job | Exception | None]:
+    """The states of many requests, in one round trip (the sweeper's); a broken one is its
+    parse error."""
     return await jobs.load_many(request_ids)
 
 

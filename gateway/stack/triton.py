@@ -146,6 +146,9 @@ def triton_spec(
         # The models named load at start, all of them at once (Triton's default loads four
         # at a time); the others when asked for.
         "--model-control-mode=explicit",
+        # Ready while it serves, whatever model loads meanwhile (a twin asked for later must
+        # not make the whole server read as not ready: the gateways look at each model).
+        "--strict-readiness=false",
         *(f"--load-model={model}" for model in models),
         f"--model-load-thread-count={max(1, len(models))}",
     ]

@@ -79,10 +79,14 @@ class Sweeper:
             except REDIS_OUTAGE as exc:  # that shard's Redis is away: sweep the others
                 log.warning("expiring in %s failed: %s", shard.prefix, type(exc).__name__)
                 continue
-            gone = [rid for rid, job in zip(due, found, strict=True) if job is None or job.state.terminal]
+            for rid, job in zip(due, found, strict=True):
+                if isinstance(job, Exception):  # one broken request must not stop the sweep of the others
+                    log.warning("expiring %s failed: %s", rid, job)
+            loaded = [(rid, job) for rid, job in zip(due, found, strict=True) if not isinstance(job, Exception)]
+            gone = [rid for rid, job in loaded if job is None or job.state.terminal]
             overdue = [
                 job
-                for job in found
+                for _, job in loaded
                 if job is not None
                 and (job.state == State.QUEUED or (job.state == State.RUNNING and now > job.deadline + grace))
             ]

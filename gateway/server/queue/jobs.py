@@ -307,16 +307,23 @@ class JobStore:
         h = await self.redis.hgetall(shard_of(request_id).request(request_id))
         return Job.from_hash(request_id, h) if h else None
 
-    async def load_many(self, request_ids: list[str]) -> list[Job | None]:
+    async def load_many(self, request_ids: list[str]) -> list[Job | Exception | None]:
         """The jobs of these requests in one round trip (a pipeline of HGETALLs), parsed in a
-        worker thread when large (as take_many does)."""
+        worker thread when large (as take_many does); a hash that does not parse is its
+        error, in its place (one broken request does not hide the others)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for request_id in request_ids:
                 pipe.hgetall(shard_of(request_id).request(request_id))
             found = await pipe.execute()
 
-        def jobs() -> list[Job | None]:
-            return [Job.from_hash(rid, h) if h else None for rid, h in zip(request_ids, found, strict=True)]
+        def parsed(request_id: str, h: dict[str, str]) -> Job | Exception | None:
+            try:
+                return Job.from_hash(request_id, h) if h else None
+            except Exception as exc:
+                return exc
+
+        def jobs() -> list[Job | Exception | None]:
+            return [parsed(rid, h) for rid, h in zip(request_ids, found, strict=True)]
 
         if sum(len(value) for h in found for value in h.values()) > LONG_PAYLOADS_BYTES:
             return await asyncio.to_thread(jobs)
