@@ -431,30 +431,22 @@ class JobStore:
         number of pieces its stream holds when that is fewer than `emitted` (a gap: the
         caller sends the missing pieces, then finishes again)."""
         data = record.model_dump_json()
-        finished = record.finished_at.timestamp() if record.finished_at else time.time()
         shard = shard_of(record.request_id)
-        reply, missing = await self._replicated(
-            self._finish,
-            [
-                *scripts.shard_keys(shard),
-                *scripts.finish_keys(shard, record.model, record.tenant, record.request_id),
-            ],
-            [
-                shard.prefix,
-                DONE_CHANNEL,
-                record.request_id,
-                record.status.value,
-                data,
-                finished,
-                TERMINAL_EVENT[record.status].value,
-                ",".join(s.value for s in allowed),
-                "1" if output_event else "",
-                "" if run is None else run,
-                "" if emitted is None else emitted,
-                record.model,
-                record.tenant,
-            ],
+        item = scripts.FinishItem(
+            request_id=record.request_id,
+            model=record.model,
+            tenant=record.tenant,
+            status=record.status.value,
+            terminal=TERMINAL_EVENT[record.status].value,
+            record=data,
+            finished_at=record.finished_at.timestamp() if record.finished_at else time.time(),
+            allowed=tuple(s.value for s in allowed),
+            output_event=output_event,
+            run=run,
+            emitted=emitted,
         )
+        call = scripts.Finish(shard, DONE_CHANNEL, (item,))
+        reply, missing = await self._replicated(self._finish, call.keys(), call.args())
         (outcome,) = reply  # FINISH answers per request: this call's one
         if outcome[0] == "error":
             raise ResponseError(str(outcome[1]))

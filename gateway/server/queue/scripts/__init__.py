@@ -35,7 +35,7 @@ share and no more (each start moves its score in both bands). The low band is se
 when neither holds a tenant to serve, the batch band after all. One decision costs
 O(log tenants)."""
 
-from gateway.server.queue.scripts.finish import FINISH, FINISH_HEAD, FINISH_MOST
+from gateway.server.queue.scripts.finish import FINISH, FINISH_HEAD, FINISH_MOST, Finish, FinishItem
 from gateway.server.queue.scripts.keys import (
     finish_keys,
     handover_keys,
@@ -72,6 +72,8 @@ __all__ = [
     "SUBMIT_HEAD",
     "SUBMIT_MOST",
     "TAKE",
+    "Finish",
+    "FinishItem",
     "finish_keys",
     "handover_keys",
     "lease_keys",

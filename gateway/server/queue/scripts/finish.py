@@ -2,15 +2,75 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.scripts.keys import finish_keys, script_json, shard_keys
 from gateway.server.queue.scripts.shared import _SHARD
 
-# KEYS: shard_keys (10), then per request (finish_keys) its model_keys and tenant_keys (10)
-#   and its hash, events and token ids (request_keys): 13 a request.
-# ARGV: prefix, done channel, then per request (finish_args, 11 each): id, status,
-#   record, finished_at, terminal event, allowed states (a,b), '1' for an `output` event
-#   (the whole outputs, when they were not streamed), run token ('' = not a run: cancel,
-#   expiry), pieces the run emitted ('' = not a streamed run), model, tenant (those its keys
-#   were named for)
+
+@dataclass(frozen=True)
+class FinishItem:
+    """One request's end in a FINISH call: its KEYS (finish_keys, 13) and its fields, one
+    JSON argument the script reads by name, then its record as it is (Redis stores it and
+    never parses it: a record of kilobytes decoded as a JSON string would cost Redis µs
+    for nothing)."""
+
+    request_id: str
+    model: str  # the model and tenant its keys are named for (the script checks them)
+    tenant: str
+    status: str  # the state it ends in
+    terminal: str  # its terminal event
+    record: str  # the record's JSON
+    finished_at: float
+    allowed: tuple[str, ...] = ("running",)  # the states it may end from
+    output_event: bool = False  # an `output` event too: the whole outputs, when they were not streamed
+    run: str | None = None  # the run's token (None: not a run: cancel, expiry)
+    emitted: int | None = None  # pieces the run emitted (None: not a streamed run)
+
+    def keys(self, shard: Shard) -> list[str]:
+        return finish_keys(shard, self.model, self.tenant, self.request_id)
+
+    def args(self) -> list[str]:
+        fields = {
+            "id": self.request_id,
+            "model": self.model,
+            "tenant": self.tenant,
+            "status": self.status,
+            "terminal": self.terminal,
+            "finished_at": repr(float(self.finished_at)),
+            "allowed": list(self.allowed),
+            "output": self.output_event,
+            "run": self.run,
+            "emitted": self.emitted,
+        }
+        return [script_json(fields), self.record]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A FINISH call: the requests of one shard that end together (the group commit merges
+    the calls ready together: FINISH_HEAD)."""
+
+    shard: Shard
+    done_channel: str
+    items: tuple[FinishItem, ...]
+
+    def keys(self) -> list[str]:
+        return [*shard_keys(self.shard), *(key for item in self.items for key in item.keys(self.shard))]
+
+    def args(self) -> list[str]:
+        head = script_json({"prefix": self.shard.prefix, "done": self.done_channel})
+        return [head, *(arg for item in self.items for arg in item.args())]
+
+
+# KEYS: shard_keys (10), then per request (FinishItem.keys) its model_keys and tenant_keys
+#   (10) and its hash, events and token ids (request_keys): 13 a request.
+# ARGV: the call's head, one JSON object (Finish.args: prefix, done channel), then per
+#   request 2: its fields, one JSON object (FinishItem: id, model, tenant (those its keys
+#   were named for), status, terminal (event), finished_at, allowed (states), output (an
+#   `output` event too), run (its token; absent: not a run), emitted (pieces the run sent;
+#   absent: not a streamed run)), and its record.
 # Returns per request: {1} when applied, {0} when the request was not in an allowed state
 # (or the run is stale), {'gap', emitted} when the stream holds fewer pieces than the run
 # sent (Redis lost writes: send them again first), {'error', why} when its keys were named
@@ -23,7 +83,8 @@ from gateway.server.queue.scripts.shared import _SHARD
 FINISH = (
     _SHARD
     + """
-local DONE = ARGV[2]
+local head = cjson.decode(ARGV[1])
+local P, DONE = head.prefix, head.done  -- P: the shard's prefix, only for the keys found as it runs
 -- A run of the tenant ended: the ready sets it left at its limit take it back. They may
 -- be any model's: their keys are found here, from the blocked set's members.
 local function unblock(tenant, blocked)
@@ -43,30 +104,30 @@ local blocked_of, tenants_order = {}, {}  -- tenant -> its blocked set
 -- receives it, so it names them rather than carrying records; a waiter it wakes reads the
 -- record (results/notifier.py).
 local done = {}
-local function finish(k, a)
+local function finish(k, at)
+  local a, record = cjson.decode(ARGV[at]), ARGV[at + 1]
   local RECLAIMED = KEYS[k + 1]
   local READY = {high = KEYS[k + 2], normal = KEYS[k + 3], low = KEYS[k + 4], batch = KEYS[k + 5]}
   local BLOCKED = KEYS[k + 6]
   local QUEUE = {high = KEYS[k + 7], normal = KEYS[k + 8], low = KEYS[k + 9], batch = KEYS[k + 10]}
   local REQ, EVENTS, TOKENS = KEYS[k + 11], KEYS[k + 12], KEYS[k + 13]
-  local id, status, record, finished_at, terminal = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  local allowed_states, output, run, sent = ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9]
+  local id = a.id
   local h = redis.call('HMGET', REQ, 'state', 'run', 'model', 'band', 'tenant', 'size', 'owner', 'emitted',
     'in_deadlines', 'followed')
   local state = h[1]
   local allowed = false
-  for s in string.gmatch(allowed_states, '[^,]+') do
+  for _, s in ipairs(a.allowed) do
     if s == state then allowed = true end
   end
-  if not allowed or (run ~= '' and h[2] ~= run) then
+  if not allowed or (a.run and h[2] ~= a.run) then
     sync()
     return {0}
   end
   local model, band, tenant = h[3], h[4], h[5]
-  if model ~= ARGV[a + 10] or tenant ~= ARGV[a + 11] then
+  if model ~= a.model or tenant ~= a.tenant then
     return {'error', 'FINISH of ' .. id .. ' named the keys of another model or tenant'}
   end
-  if sent ~= '' and num(h[8]) < num(sent) then return {'gap', num(h[8])} end
+  if a.emitted and num(h[8]) < a.emitted then return {'gap', num(h[8])} end
   if state == 'queued' then
     local total_field, tenant_field = counters(band, tenant)
     decr(BACKLOG, total_field, 1)
@@ -89,12 +150,12 @@ local function finish(k, a)
   local entry = redis.call('XADD', RESULTS, '*', 'id', id, 'record', record)
   -- The payload is emptied in the same write (no longer needed, and it may be large); the
   -- owner stays: only a running request's owner is ever read.
-  redis.call('HSET', REQ, 'state', status, 'finished_at', finished_at, 'result', entry, 'payload', '')
+  redis.call('HSET', REQ, 'state', a.status, 'finished_at', a.finished_at, 'result', entry, 'payload', '')
   -- The `output` event rides on the terminal event's entry (results/events.py reads both).
-  if output ~= '' then
-    redis.call('XADD', EVENTS, '*', 'event', terminal, 'record', entry, 'output', '1')
+  if a.output then
+    redis.call('XADD', EVENTS, '*', 'event', a.terminal, 'record', entry, 'output', '1')
   else
-    redis.call('XADD', EVENTS, '*', 'event', terminal, 'record', entry)
+    redis.call('XADD', EVENTS, '*', 'event', a.terminal, 'record', entry)
   end
   if h[9] ~= '0' then redis.call('ZREM', DEADLINES, id) end  -- a run started at once is not there
   if num(h[8]) > 0 then redis.call('DEL', TOKENS) end  -- token ids are kept only for pieces emitted
@@ -106,7 +167,7 @@ local function finish(k, a)
 end
 local out = {}
 for r = 0, (#KEYS - 10) / 13 - 1 do
-  out[r + 1] = finish(10 + r * 13, 2 + r * 11)
+  out[r + 1] = finish(10 + r * 13, 2 + r * 2)
 end
 write_pending()
 write_notices(NOTICES)
@@ -118,7 +179,7 @@ return out
 )
 
 # The keys and arguments FINISH's requests share: a call for several requests of a shard is
-# these once, then each request's own (finish_keys, finish_args).
-FINISH_HEAD = (10, 2)
+# these once, then each request's own (FinishItem.keys, FinishItem.args).
+FINISH_HEAD = (10, 1)
 # At most this many requests in one FINISH (the script runs alone in Redis meanwhile).
 FINISH_MOST = 64

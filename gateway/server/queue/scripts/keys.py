@@ -1,11 +1,26 @@
-"""The keys each script receives in KEYS, in the order it reads them, and the argument
-builders that go with them (scripts/__init__.py: which keys are found as a script runs)."""
+"""The keys each script receives in KEYS, in the order it reads them, and the one JSON
+argument a script call's fields travel in (scripts/__init__.py: which keys are found as a
+script runs)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from gateway.protocol.redis_keys import BANDS, Shard
+
+
+def script_json(fields: dict[str, Any]) -> str:
+    """A script call's fields as its one JSON argument, which the script decodes
+    (`cjson.decode`) and reads by name. Compact, its text as UTF-8 (not escaped: the script
+    decodes fewer bytes and writes the text as it came). A field that is None is left out:
+    cjson decodes null to `cjson.null`, which Lua takes for true, while a field left out is
+    nil. Times go as strings (repr of the float): a Lua number keeps 14 digits when written
+    back, and the scripts write them as they came."""
+    return json.dumps(
+        {name: value for name, value in fields.items() if value is not None}, separators=(",", ":"), ensure_ascii=False
+    )
+
 
 # -- The keys, in the order the scripts read them from KEYS ------------------------------
 

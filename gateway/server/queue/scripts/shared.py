@@ -39,7 +39,6 @@ _SHARD = (
 local HIGH_BAND_LEAD = {HIGH_BAND_LEAD}
 """
     + """
-local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
 local TENANTS, RUNNING, VCLOCK, BACKLOG, STARTED, LEASES, DEADLINES, RESULTS, SYNC, NOTICES = unpack(KEYS, 1, 10)
 local function num(v) return tonumber(v) or 0 end
 local function decr(key, field, by)

@@ -37,6 +37,7 @@ from gateway.server.queue.scripts.shared import _SHARD
 SUBMIT = (
     _SHARD
     + """
+local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
 local leases = {}  -- score, id, ... of the runs started at once
 local settings_seen = {}  -- tenant -> its settings, as written
 -- The backlog's counters, each read once a call and kept as the call writes them: the

@@ -18,6 +18,7 @@ TAKE = (
     _SHARD
     + _MODEL
     + """
+local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
 local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local most = math.max(1, tonumber(ARGV[9]) or 1)
 local TAKEN = KEYS[16]
