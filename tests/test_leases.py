@@ -114,10 +114,8 @@ class OtherGateway(threading.Thread):
             now_ms = int(time.time() * 1000)
             reclaim(keys=scripts.reclaim_keys(SHARD), args=[SHARD.prefix, now_ms, 200])
             token = secrets.token_hex(8)
-            reply = take(
-                keys=[*scripts.shard_keys(SHARD), *scripts.model_keys(SHARD, MODEL), SHARD.take("other")],
-                args=[SHARD.prefix, MODEL, "other", time.time(), now_ms + 60_000, token, "0", 60],
-            )
+            call = scripts.Take(SHARD, MODEL, "other", now=time.time(), lease_ms=60_000, token=token, token_ttl_s=60)
+            reply = take(keys=call.keys(), args=call.args())
             if reply[0] == "run":
                 self.taken.append(reply[1])
             self.swept_at = time.monotonic()

@@ -272,20 +272,18 @@ class JobStore:
     ) -> list[Job] | str:
         """Start up to `most` requests of `model` in the shard for this consumer, in the
         fair order, in one call: their Jobs (at least one), or "empty" or "held" (take)."""
-        reply = await self._take(
-            keys=[*scripts.shard_keys(shard), *scripts.model_keys(shard, model), shard.take(consumer)],
-            args=[
-                shard.prefix,
-                model,
-                consumer,
-                time.time(),
-                self.lease_ms,
-                secrets.token_hex(8),
-                "1" if light_only else "0",
-                TAKE_TOKEN_TTL_S,
-                max(1, most),
-            ],
+        call = scripts.Take(
+            shard,
+            model,
+            consumer,
+            now=time.time(),
+            lease_ms=self.lease_ms,
+            token=secrets.token_hex(8),
+            token_ttl_s=TAKE_TOKEN_TTL_S,
+            most=most,
+            light_only=light_only,
         )
+        reply = await self._take(keys=call.keys(), args=call.args())
         if reply[0] != "run":
             return str(reply[0])
         runs = reply[1:]

@@ -52,7 +52,7 @@ from gateway.server.queue.scripts.reads import QUEUE, READ
 from gateway.server.queue.scripts.runs import CANCEL, EMIT, FOLLOW, HANDOVER, RECLAIM, RENEW
 from gateway.server.queue.scripts.shared import HIGH_BAND_LEAD, NOTICES_KEPT
 from gateway.server.queue.scripts.submit import SUBMIT, SUBMIT_HEAD, SUBMIT_MOST
-from gateway.server.queue.scripts.take import TAKE
+from gateway.server.queue.scripts.take import TAKE, Take
 
 __all__ = [
     "CANCEL",
@@ -74,6 +74,7 @@ __all__ = [
     "TAKE",
     "Finish",
     "FinishItem",
+    "Take",
     "finish_keys",
     "handover_keys",
     "lease_keys",

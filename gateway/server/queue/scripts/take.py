@@ -2,13 +2,51 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.scripts.keys import model_keys, script_json, shard_keys
 from gateway.server.queue.scripts.shared import _MODEL, _SHARD
 
+
+@dataclass(frozen=True)
+class Take:
+    """A TAKE call: start up to `most` requests of a model in a shard for a consumer."""
+
+    shard: Shard
+    model: str
+    consumer: str
+    now: float
+    lease_ms: int  # its runs' lease length (they end by Redis's clock)
+    token: str  # random: the first run's token too (its fence); the n-th run's is the token and '.n'
+    token_ttl_s: int  # how long the call is remembered (a replay after a lost reply)
+    most: int = 1  # the caller's free slots
+    light_only: bool = False  # only a tenant that runs nothing of the model now (the light tenants' headroom)
+
+    def keys(self) -> list[str]:
+        return [*shard_keys(self.shard), *model_keys(self.shard, self.model), self.shard.take(self.consumer)]
+
+    def args(self) -> list[str]:
+        fields = {
+            "prefix": self.shard.prefix,
+            "model": self.model,
+            "consumer": self.consumer,
+            "now": repr(float(self.now)),
+            "lease_ms": self.lease_ms,
+            "token": self.token,
+            "token_ttl": self.token_ttl_s,
+            "most": max(1, self.most),
+            "light": self.light_only,
+        }
+        return [script_json(fields)]
+
+
 # KEYS: shard_keys, model_keys (15), then the consumer's last take (take:<consumer>).
-# ARGV: prefix, model, consumer, now, lease length (ms; ends by Redis's clock), take token (random: the first started
-#   run's token too, its fence; the n-th run's is the token and '.n'), light only ('1': only
-#   a tenant that runs nothing of this model now, the headroom kept for light tenants),
-#   token ttl (s), how many to start at most (the caller's free slots)
+# ARGV: one JSON object (Take.args): prefix, model, consumer, now, lease_ms (its runs'
+#   lease length, ending by Redis's clock), token (random: the first started run's token
+#   too, its fence; the n-th run's is the token and '.n'), token_ttl (s), most (how many
+#   to start at most: the caller's free slots), light (only a tenant that runs nothing of
+#   this model now: the headroom kept for light tenants)
 # Returns {'run', then per run started: id, request hash, token ids}, or {'empty'} or
 # {'held'} (work waits, but only for tenants that are not light: the headroom is kept). Each
 # run is the fair order's next, as if taken by a call of its own: the counters a start
@@ -18,11 +56,12 @@ TAKE = (
     _SHARD
     + _MODEL
     + """
-local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
-local model, consumer, now, token = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
-local most = math.max(1, tonumber(ARGV[9]) or 1)
+local a = cjson.decode(ARGV[1])
+local P = a.prefix  -- the shard's prefix: only for the keys a script finds as it runs
+local model, consumer, now, token = a.model, a.consumer, a.now, a.token
+local most = math.max(1, a.most)
 local TAKEN = KEYS[16]
-local run_lease_end = lease_end(ARGV[5])
+local run_lease_end = lease_end(a.lease_ms)
 local function answer(out, rid, emitted)
   local req = P .. 'req:' .. rid
   out[#out + 1] = rid
@@ -67,7 +106,7 @@ local function start(rid, restarted, run)
   taken[#taken + 1] = rid .. ' ' .. run
   return h[4]  -- pieces emitted by earlier runs
 end
-local light = ARGV[7] == '1'
+local light = a.light
 -- The first tenant of a band's ready set TAKE may serve (a tenant at its concurrency limit
 -- leaves the set for its blocked set; light only: a tenant that runs nothing of the model):
 -- tenant, its score, the set's least score; or nil and whether tenants wait that are not light.
@@ -158,7 +197,7 @@ for n = 1, most do
   answer(out, rid, start(rid, restarted, n == 1 and token or token .. '.' .. n))
 end
 if #out > 1 then
-  redis.call('SET', TAKEN, table.concat(taken, ' '), 'EX', ARGV[8])
+  redis.call('SET', TAKEN, table.concat(taken, ' '), 'EX', a.token_ttl)
   write_notices(NOTICES)
   return out
 end
