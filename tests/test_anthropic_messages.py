@@ -92,6 +92,26 @@ def test_a_streamed_message_sends_anthropics_events_in_order(client) -> None:
     assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == final.usage.output_tokens > 0
 
 
+def test_message_start_carries_the_prompts_tokens_as_count_tokens_counts_them(client) -> None:
+    asked = {"model": "llm_echo", "system": SYSTEM, "messages": HELLO}
+    counted = client.messages.count_tokens(**asked)
+    with client.messages.stream(max_tokens=200, **asked) as stream:
+        (start,) = [event for event in stream if event.type == "message_start"]
+    assert counted.input_tokens > 0
+    assert start.message.usage.input_tokens == counted.input_tokens
+    assert start.message.usage.output_tokens == 0
+
+
+def test_message_delta_usage_splits_the_same_prompt_tokens_by_the_prefix_cache(client) -> None:
+    asked = {"model": "llm_echo", "system": SYSTEM, "messages": HELLO}
+    counted = client.messages.count_tokens(**asked)
+    with client.messages.stream(max_tokens=200, **asked) as stream:
+        (delta,) = [event for event in stream if event.type == "message_delta"]
+    usage = delta.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == counted.input_tokens
+    assert usage.output_tokens == counted.input_tokens  # the echo engine returns the prompt's tokens
+
+
 def test_a_streamed_message_has_a_ping_after_message_start(stack) -> None:
     body = {"model": "llm_echo", "messages": HELLO, "max_tokens": 20, "stream": True}
     headers = {"x-api-key": stack.api_key, "anthropic-version": "2023-06-01"}

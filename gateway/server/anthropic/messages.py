@@ -17,8 +17,10 @@ record's metadata says `messages`.
   metadata.user_id its `user`.
 - Streamed, Anthropic's events: message_start, ping, content_block_start/delta/stop
   (text_delta; a tool_use block's input in one input_json_delta, as a call is read
-  whole), message_delta (stop reason and usage: the input tokens come here, counted
-  when the request ran; message_start says 0), message_stop. A request that fails
+  whole), message_delta (stop reason and usage, cumulative: the input tokens split into
+  those read from the prefix cache and the rest), message_stop. message_start carries the
+  prompt's tokens as the accept stage counted them (the request's payload in Redis; its
+  record's usage once it ended), none of them known to be cached yet. A request that fails
   mid-stream ends the stream with an `error` event; a client that goes away cancels it.
 - The key comes as `x-api-key` (or `Authorization: Bearer`); `anthropic-version`, when
   sent, must be a date from 2023-06-01 on (the `anthropic` package sends its own);
@@ -296,7 +298,7 @@ async def create_message(body: MessagesRequest, request: Request, who: Annotated
     plan = chat.chat_plan(asked, common.tool_format(svc, body.model))
     if body.stream:
         stream = MessageStream(request_id, body.model, plan, tpb)
-        return EventStream(stream.events(svc), ping=svc.settings.sse_ping_s, headers=headers)
+        return EventStream(stream.events(svc, who.scope), ping=svc.settings.sse_ping_s, headers=headers)
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
     record = await common.wait_record(svc, who, request_id, timeout)
     common.raise_for_record(record)
@@ -329,6 +331,19 @@ async def count_tokens(
 
 
 # -- streaming --------------------------------------------------------------------------------
+
+
+async def prompt_tokens(svc: Services, request_id: str, scope: str | None) -> int:
+    """The prompt's tokens as the accept stage counted them: in the request's payload
+    while it waits or runs, in its record's usage once it ended (FINISH empties the payload;
+    an idempotent replay may name a request long ended)."""
+    job = await svc.results.job(request_id, scope)
+    counted = job.payload.get("prompt_tokens") if job is not None else None
+    if isinstance(counted, int):
+        return counted
+    outcome = await svc.results.get(request_id, scope)
+    usage = outcome.usage if isinstance(outcome, ResultRecord) else None
+    return usage.prompt_tokens if usage is not None else 0
 
 
 def _event(kind: str, data: dict[str, Any]) -> ServerSentEvent:
@@ -423,7 +438,13 @@ class MessageStream:
         events.append(_event("message_stop", {}))
         return events
 
-    async def events(self, svc: Services) -> AsyncIterator[ServerSentEvent]:
+    async def events(self, svc: Services, scope: str | None) -> AsyncIterator[ServerSentEvent]:
+        usage = {
+            "input_tokens": await prompt_tokens(svc, self.request_id, scope),
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 0,
+        }
         start: dict[str, Any] = {
             "id": f"msg_{self.request_id}",
             "type": "message",
@@ -432,7 +453,7 @@ class MessageStream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": usage,
         }
         yield _event("message_start", {"message": start})
         yield _event("ping", {})
