@@ -11,12 +11,23 @@ keeps a weak model from padding its answer with whitespace until it runs out of 
 
 Each request gets a Guide: before every step the engine asks it for the tokens the grammar
 allows next (all others get -inf), and after the step it consumes the chosen token. A guide
-that is done (the grammar can go no further) ends the sequence."""
+that is done (the grammar can go no further) ends the sequence.
+
+A guide's budget: the gateway lets through at most 100,000 characters of it; llguidance's
+limits (LIMITS) bound what compiling it and each step may cost, and a grammar over them does
+not compile (or ends its sequence at the step that would pass them). Compiling walks the
+grammar recursively on the calling thread: a chain of about 3,000 rules (a 60 kB guide)
+overflows a thread's default 8 MB stack and kills the whole model process, every tenant's
+sequences with it. So guides compile on one thread of their own whose stack holds any guide
+the gateway lets through (10,000 chained rules, 200 kB, compile there in 0.35 s)."""
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import llguidance
 import llguidance.numpy as lnp
@@ -25,6 +36,41 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 _COMPACT = {"whitespace_flexible": False}
+# llguidance's fuel is work: ~50k a millisecond to compile, ~14k a millisecond a step.
+LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=1_000_000,  # ~20 ms to build the lexer
+    step_lexer_fuel=100_000,  # ~7 ms a token, for a sequence in a batch of others
+    max_lexer_states=100_000,  # ~100-200 MB
+    max_grammar_size=500_000,  # symbols
+)
+COMPILE_STACK_BYTES = 256 * 1024 * 1024  # address space; pages are used only as touched
+_STACK_SIZE_LOCK = threading.Lock()  # threading.stack_size is process-wide
+
+
+class _CompileThread:
+    """One thread with a deep stack that runs the compilations, one at a time."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+        with _STACK_SIZE_LOCK:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                threading.Thread(target=self._serve, name="guide-compile", daemon=True).start()
+            finally:
+                threading.stack_size(previous)
+
+    def run(self, job: Callable[[], object]) -> object:
+        done: Future[object] = Future()
+        self._jobs.put((job, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                done.set_result(job())
+            except BaseException as exc:  # handed to the caller
+                done.set_exception(exc)
 
 
 class Guide:
@@ -65,6 +111,7 @@ class Guides:
         self.eos = eos
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._compiler = _CompileThread()
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -76,7 +123,15 @@ class Guides:
 
     def new(self, guide_type: str, guide: str) -> Guide:
         """A guide for the request; ValueError for an unknown type or a guide that does not
-        compile."""
+        compile (within LIMITS). Compiled on the compile thread (the module's docstring says
+        why)."""
+        tokenizer = self.tokenizer()
+        matcher = self._compiler.run(lambda: self._compile(tokenizer, guide_type, guide))
+        assert isinstance(matcher, llguidance.LLMatcher)
+        return Guide(matcher, self.vocab_size, self.eos)
+
+    @staticmethod
+    def _compile(tokenizer: llguidance.LLTokenizer, guide_type: str, guide: str) -> llguidance.LLMatcher:
         if guide_type == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema({}, defaults=_COMPACT)
         elif guide_type == "json_schema":
@@ -96,9 +151,9 @@ class Guides:
         if guide_type != "json" and not guide:
             raise ValueError(f"guided_decoding_guide_type {guide_type} needs a guided_decoding_guide")
         try:
-            matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         except Exception as exc:  # (documented not to raise for grammar errors; some versions do)
             raise ValueError(f"guided_decoding_guide does not compile: {exc}") from None
         if matcher.is_error():
             raise ValueError(f"guided_decoding_guide does not compile: {matcher.get_error()}")
-        return Guide(matcher, self.vocab_size, self.eos)
+        return matcher
