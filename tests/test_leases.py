@@ -111,8 +111,8 @@ class OtherGateway(threading.Thread):
         reclaim = self.client.register_script(scripts.RECLAIM)
         take = self.client.register_script(scripts.TAKE)
         while not self.halt.is_set():
-            now_ms = int(time.time() * 1000)
-            reclaim(keys=scripts.reclaim_keys(SHARD), args=[SHARD.prefix, now_ms, 200])
+            swept = scripts.Reclaim(SHARD)
+            reclaim(keys=swept.keys(), args=swept.args())
             token = secrets.token_hex(8)
             call = scripts.Take(SHARD, MODEL, "other", now=time.time(), lease_ms=60_000, token=token, token_ttl_s=60)
             reply = take(keys=call.keys(), args=call.args())

@@ -333,10 +333,8 @@ class JobStore:
         binders stored it); if it is queued, where it stands. A job read as queued always
         has its standing: two reads would leave a window in which a dispatcher takes it
         between them (queued, but no longer in any queue)."""
-        shard = shard_of(request_id)
-        fields, record, standing = await self._read(
-            keys=scripts.read_keys(shard, request_id), args=[shard.prefix, request_id]
-        )
+        call = scripts.Read(shard_of(request_id), request_id)
+        fields, record, standing = await self._read(keys=call.keys(), args=call.args())
         if not fields:
             return None, None, None
         h = dict(zip(fields[::2], fields[1::2], strict=True))
@@ -355,8 +353,8 @@ class JobStore:
 
     async def queue_position(self, request_id: str) -> QueueStanding | None:
         """Where a queued request stands (None when it is not queued)."""
-        shard = shard_of(request_id)
-        return _standing(await self._queue(keys=scripts.read_keys(shard, request_id), args=[shard.prefix, request_id]))
+        call = scripts.Read(shard_of(request_id), request_id)
+        return _standing(await self._queue(keys=call.keys(), args=call.args()))
 
     async def record_at(self, shard: Shard, entry: str) -> str | None:
         """The record at an entry of the shard's results stream (gone once stored and trimmed)."""
@@ -371,12 +369,8 @@ class JobStore:
 
     async def emit_many(self, shard: Shard, events: list[TokenEvent]) -> list[Emitted]:
         """Token events of several runs of one shard, in one call."""
-        keys: list[str] = [shard.notices]
-        args: list[Any] = []
-        for e in events:
-            keys += scripts.request_keys(shard, e.request_id)
-            args += [e.run, e.index, e.text, e.count, "".join(f"{t}," for t in e.ids)]
-        reply = await self._emit(keys=keys, args=args)
+        call = scripts.Emit(shard, tuple(events))
+        reply = await self._emit(keys=call.keys(), args=call.args())
         return [
             Emitted(str(reply[i]), str(reply[i + 1] or ""), int(reply[i + 2] or 0)) for i in range(0, len(reply), 3)
         ]
@@ -385,9 +379,8 @@ class JobStore:
         """Have the scripts that write the request's events name it in its shard's notices
         (an event hub follows it), and with notice, name it there now (a new follower);
         False when the request is not there."""
-        shard = shard_of(request_id)
-        keys = [shard.request(request_id), shard.notices]
-        return bool(await self._follow(keys=keys, args=[request_id if notice else ""]))
+        call = scripts.Follow(shard_of(request_id), request_id, notice)
+        return bool(await self._follow(keys=call.keys(), args=call.args()))
 
     async def renew(self, shard: Shard, consumer: str, runs: list[tuple[str, str]]) -> list[int]:
         """Renew the leases of (request id, run token) runs in a shard: per run 1 still
@@ -395,12 +388,13 @@ class JobStore:
         dispatch/leases.py, with the same arguments.)"""
         if not runs:
             return []
-        keys, args = scripts.renew_call(shard, consumer, self.lease_ms, runs)
-        return [int(flag) for flag in await self._renew(keys=keys, args=args)]
+        call = scripts.Renew(shard, consumer, self.lease_ms, tuple(runs))
+        return [int(flag) for flag in await self._renew(keys=call.keys(), args=call.args())]
 
     async def reclaim(self, shard: Shard, limit: int = 200) -> int:
         """Put running requests whose lease ran out back at the front of the line."""
-        return int(await self._reclaim(keys=scripts.reclaim_keys(shard), args=[shard.prefix, limit]))
+        call = scripts.Reclaim(shard, limit)
+        return int(await self._reclaim(keys=call.keys(), args=call.args()))
 
     async def handover(self, consumer: str, runs: list[tuple[str, str]]) -> int:
         """Hand this consumer's running requests, (request id, run token), on to other
@@ -410,9 +404,8 @@ class JobStore:
             by_shard.setdefault(shard_of(request_id), []).append((request_id, run))
         moved = 0
         for shard, shard_runs in by_shard.items():
-            keys = scripts.handover_keys(shard, [request_id for request_id, _ in shard_runs])
-            pairs = [value for pair in shard_runs for value in pair]
-            moved += int(await self._handover(keys=keys, args=[shard.prefix, consumer, *pairs]))
+            call = scripts.Handover(shard, consumer, tuple(shard_runs))
+            moved += int(await self._handover(keys=call.keys(), args=call.args()))
         return moved
 
     async def finish(
@@ -473,8 +466,8 @@ class JobStore:
         """Cancel: a queued request ends now; a running one is asked to stop (the flag is
         in its hash, which its dispatcher checks; the pub/sub message is the fast path).
         Returns the state after the call, None if unknown."""
-        shard = shard_of(request_id)
-        state = await self._cancel(keys=[shard.request(request_id)], args=[request_id, CANCEL_CHANNEL])
+        call = scripts.Cancel(shard_of(request_id), request_id, CANCEL_CHANNEL)
+        state = await self._cancel(keys=call.keys(), args=call.args())
         if state == "missing":
             return None
         if state == State.QUEUED.value:

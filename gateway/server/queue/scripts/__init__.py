@@ -43,13 +43,26 @@ from gateway.server.queue.scripts.keys import (
     model_keys,
     read_keys,
     reclaim_keys,
-    renew_call,
     request_keys,
     shard_keys,
     tenant_keys,
 )
-from gateway.server.queue.scripts.reads import QUEUE, READ
-from gateway.server.queue.scripts.runs import CANCEL, EMIT, FOLLOW, HANDOVER, RECLAIM, RENEW
+from gateway.server.queue.scripts.reads import QUEUE, READ, Read
+from gateway.server.queue.scripts.runs import (
+    CANCEL,
+    EMIT,
+    FOLLOW,
+    HANDOVER,
+    RECLAIM,
+    RENEW,
+    Cancel,
+    Emit,
+    Follow,
+    Handover,
+    Reclaim,
+    Renew,
+    renew_call,
+)
 from gateway.server.queue.scripts.shared import HIGH_BAND_LEAD, NOTICES_KEPT
 from gateway.server.queue.scripts.submit import SUBMIT, SUBMIT_HEAD, SUBMIT_MOST
 from gateway.server.queue.scripts.take import TAKE, Take
@@ -72,8 +85,15 @@ __all__ = [
     "SUBMIT_HEAD",
     "SUBMIT_MOST",
     "TAKE",
+    "Cancel",
+    "Emit",
     "Finish",
     "FinishItem",
+    "Follow",
+    "Handover",
+    "Read",
+    "Reclaim",
+    "Renew",
     "Take",
     "finish_keys",
     "handover_keys",

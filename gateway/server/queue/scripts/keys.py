@@ -73,15 +73,6 @@ def handover_keys(shard: Shard, request_ids: list[str]) -> list[str]:
     return [*reclaim_keys(shard), *(shard.request(request_id) for request_id in request_ids)]
 
 
-def renew_call(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> tuple[list[str], list[Any]]:
-    """RENEW's keys and arguments: the leases of (request id, run token) runs end lease_ms
-    from now, by Redis's clock."""
-    args: list[Any] = [consumer, lease_ms]
-    for request_id, run in runs:
-        args += [request_id, run]
-    return lease_keys(shard, [request_id for request_id, _ in runs]), args
-
-
 def finish_keys(shard: Shard, model: str, tenant: str, request_id: str) -> list[str]:
     """A request's part of FINISH's KEYS (13)."""
     return [*model_keys(shard, model), *tenant_keys(shard, model, tenant), *request_keys(shard, request_id)]

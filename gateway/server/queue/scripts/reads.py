@@ -3,6 +3,26 @@ with its record or standing (READ)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.scripts.keys import read_keys, script_json
+
+
+@dataclass(frozen=True)
+class Read:
+    """A READ or QUEUE call: one request, read (the two take the same arguments)."""
+
+    shard: Shard
+    request_id: str
+
+    def keys(self) -> list[str]:
+        return read_keys(self.shard, self.request_id)
+
+    def args(self) -> list[str]:
+        return [script_json({"prefix": self.shard.prefix, "id": self.request_id})]
+
+
 _STANDING = """
 local function standing(P, id, model, band, tenant)
   local mb = model .. ':' .. band
@@ -19,18 +39,19 @@ end
 """
 
 # KEYS: the request's hash, the shard's results stream, the shard's started counters
-#   (read_keys).  ARGV: prefix, id.
+#   (read_keys).  ARGV: one JSON object (Read.args): prefix, id.
 # Where a queued request stands (see _STANDING); false when it is not queued.
 QUEUE = (
     _STANDING
     + """
 local h = redis.call('HMGET', KEYS[1], 'state', 'model', 'band', 'tenant')
 if h[1] ~= 'queued' then return false end
-return standing(ARGV[1], ARGV[2], h[2], h[3], h[4])
+local a = cjson.decode(ARGV[1])
+return standing(a.prefix, a.id, h[2], h[3], h[4])
 """
 )
 
-# KEYS: as QUEUE.  ARGV: prefix, id.
+# KEYS, ARGV: as QUEUE.
 # The request's hash, in one atomic read with what goes with its state: {hash, the record
 # (when it has ended and the results stream still holds it) or false, where it stands
 # (when it is queued, see _STANDING) or false}. One read: a request read as queued always
@@ -41,7 +62,10 @@ READ = (
 local h = redis.call('HGETALL', KEYS[1])
 local f = {}
 for i = 1, #h, 2 do f[h[i]] = h[i + 1] end
-if f.state == 'queued' then return {h, false, standing(ARGV[1], ARGV[2], f.model, f.band, f.tenant)} end
+if f.state == 'queued' then
+  local a = cjson.decode(ARGV[1])
+  return {h, false, standing(a.prefix, a.id, f.model, f.band, f.tenant)}
+end
 if f.result then
   local found = redis.call('XRANGE', KEYS[2], f.result, f.result)
   if found[1] then

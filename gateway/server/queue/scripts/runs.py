@@ -3,12 +3,121 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.job import TokenEvent
+from gateway.server.queue.scripts.keys import handover_keys, lease_keys, reclaim_keys, request_keys, script_json
 from gateway.server.queue.scripts.shared import _CLOCK, _NOTICES, NOTICES_KEPT
+
+
+@dataclass(frozen=True)
+class Emit:
+    """An EMIT call: token events of runs of one shard."""
+
+    shard: Shard
+    events: tuple[TokenEvent, ...]
+
+    def keys(self) -> list[str]:
+        return [self.shard.notices, *(key for e in self.events for key in request_keys(self.shard, e.request_id))]
+
+    def args(self) -> list[str]:
+        events = [
+            {"run": e.run, "index": e.index, "count": e.count, "text": e.text, "ids": "".join(f"{t}," for t in e.ids)}
+            for e in self.events
+        ]
+        return [script_json({"events": events})]
+
+
+@dataclass(frozen=True)
+class Renew:
+    """A RENEW call: the leases of (request id, run token) runs of one shard end lease_ms
+    from now, by Redis's clock."""
+
+    shard: Shard
+    consumer: str
+    lease_ms: int
+    runs: tuple[tuple[str, str], ...]
+
+    def keys(self) -> list[str]:
+        return lease_keys(self.shard, [request_id for request_id, _ in self.runs])
+
+    def args(self) -> list[str]:
+        runs = [{"id": request_id, "run": run} for request_id, run in self.runs]
+        return [script_json({"consumer": self.consumer, "lease_ms": self.lease_ms, "runs": runs})]
+
+
+def renew_call(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """RENEW's keys and arguments (Renew), for a caller with a script of its own (the lease
+    keeper's thread: spine.keep_leases)."""
+    call = Renew(shard, consumer, lease_ms, tuple(runs))
+    return call.keys(), call.args()
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """A RECLAIM call: up to `limit` runs of a shard whose lease ran out."""
+
+    shard: Shard
+    limit: int = 200
+
+    def keys(self) -> list[str]:
+        return reclaim_keys(self.shard)
+
+    def args(self) -> list[str]:
+        return [script_json({"prefix": self.shard.prefix, "limit": self.limit})]
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A HANDOVER call: a consumer's (request id, run token) runs of one shard, handed on."""
+
+    shard: Shard
+    consumer: str
+    runs: tuple[tuple[str, str], ...]
+
+    def keys(self) -> list[str]:
+        return handover_keys(self.shard, [request_id for request_id, _ in self.runs])
+
+    def args(self) -> list[str]:
+        runs = [{"id": request_id, "run": run} for request_id, run in self.runs]
+        return [script_json({"prefix": self.shard.prefix, "consumer": self.consumer, "runs": runs})]
+
+
+@dataclass(frozen=True)
+class Follow:
+    """A FOLLOW call: the request's events are followed (notice: named in the notices now)."""
+
+    shard: Shard
+    request_id: str
+    notice: bool = False
+
+    def keys(self) -> list[str]:
+        return [self.shard.request(self.request_id), self.shard.notices]
+
+    def args(self) -> list[str]:
+        return [script_json({"id": self.request_id, "notice": self.notice})]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """A CANCEL call: the request is asked to stop (its runner told on `channel`)."""
+
+    shard: Shard
+    request_id: str
+    channel: str
+
+    def keys(self) -> list[str]:
+        return [self.shard.request(self.request_id)]
+
+    def args(self) -> list[str]:
+        return [script_json({"id": self.request_id, "channel": self.channel})]
+
 
 # KEYS: the shard's notices, then per token event its request's hash, events and token
 #   ids (request_keys).
-# ARGV: per token event: run token, index of the first piece, text, piece count, token ids
-#   ('1,2,3,' or '')
+# ARGV: one JSON object (Emit.args): events, per token event {run (its token), index (of
+#   its first piece), count (pieces), text, ids (token ids, '1,2,3,' or '')}
 # Token events of several runs of a shard in one call (TokenRelay sends what every stream
 # of the process produced in a window). Returns per event {outcome, event id, pieces
 # emitted}: outcome 'ok', 'cancel' (published, but the request is asked to stop), 'stale'
@@ -18,11 +127,9 @@ EMIT = (
     _NOTICES
     + """
 local out = {}
-for e = 0, #ARGV / 5 - 1 do
-  local req, events, tokens = KEYS[e * 3 + 2], KEYS[e * 3 + 3], KEYS[e * 3 + 4]
-  local a = e * 5
-  local run, index, text, count, ids = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3], tonumber(ARGV[a + 4]),
-    ARGV[a + 5]
+for e, a in ipairs(cjson.decode(ARGV[1]).events) do
+  local req, events, tokens = KEYS[e * 3 - 1], KEYS[e * 3], KEYS[e * 3 + 1]
+  local run, index, text, count, ids = a.run, a.index, a.text, a.count, a.ids
   local h = redis.call('HMGET', req, 'state', 'run', 'emitted', 'cancel', 'followed')
   local emitted = tonumber(h[3] or '0')
   local outcome = h[4] == '1' and 'cancel' or 'ok'
@@ -51,7 +158,8 @@ return out
 )
 
 # KEYS: the shard's leases, then per run its request's hash (lease_keys).
-# ARGV: consumer, lease length (ms, from Redis's clock now), then pairs of request id and its run's token.
+# ARGV: one JSON object (Renew.args): consumer, lease_ms (the lease length, from Redis's
+#   clock now), runs ({id, run (its token)} each).
 # Renews the leases of the runs still ours; returns per run: 1 still ours, 2 ours but
 # asked to cancel, 0 stale (another run took over, or it was handed on), 3 ended while
 # still this run's (FINISH keeps `run` and `owner`): its own FINISH landed before this
@@ -60,16 +168,17 @@ return out
 RENEW = (
     _CLOCK
     + """
+local a = cjson.decode(ARGV[1])
 local out = {}
-local ends = lease_end(ARGV[2])
-for i = 3, #ARGV, 2 do
-  local h = redis.call('HMGET', KEYS[(i - 1) / 2 + 1], 'state', 'run', 'cancel', 'owner')
-  if h[2] ~= ARGV[i + 1] or h[4] ~= ARGV[1] then
+local ends = lease_end(a.lease_ms)
+for i, r in ipairs(a.runs) do
+  local h = redis.call('HMGET', KEYS[i + 1], 'state', 'run', 'cancel', 'owner')
+  if h[2] ~= r.run or h[4] ~= a.consumer then
     out[#out + 1] = 0
   elseif h[1] ~= 'running' then
     out[#out + 1] = 3
   else
-    redis.call('ZADD', KEYS[1], ends, ARGV[i])
+    redis.call('ZADD', KEYS[1], ends, r.id)
     out[#out + 1] = h[3] == '1' and 2 or 1
   end
 end
@@ -77,7 +186,8 @@ return out
 """
 )
 
-# KEYS: the shard's leases, deadlines and backlog (reclaim_keys).  ARGV: prefix, limit
+# KEYS: the shard's leases, deadlines and backlog (reclaim_keys).  ARGV: one JSON object
+#   (Reclaim.args): prefix, limit.
 # Running requests whose lease ran out (their dispatcher died or stalled) go to the front
 # of the line (`reclaimed:<model>`), to be started again by any dispatcher, and into the
 # deadlines set if a start at once kept them out of it (the sweeper expires them there
@@ -86,8 +196,9 @@ return out
 RECLAIM = (
     _CLOCK
     + """
-local P = ARGV[1]
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', lease_end(0), 'LIMIT', 0, tonumber(ARGV[2]))
+local a = cjson.decode(ARGV[1])
+local P = a.prefix
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', lease_end(0), 'LIMIT', 0, a.limit)
 local woken = {}
 for _, rid in ipairs(due) do
   redis.call('ZREM', KEYS[1], rid)
@@ -107,25 +218,26 @@ return #due
 )
 
 # KEYS: those of RECLAIM, then per run its request's hash (handover_keys).
-# ARGV: prefix, consumer, then pairs of request id and its run's token.
+# ARGV: one JSON object (Handover.args): prefix, consumer, runs ({id, run (its token)} each).
 # A stopping dispatcher hands its running requests on: each goes to the front of the line
 # at once (no lease to wait out), if it is still running and still this run's, and into
 # the deadlines set if it was kept out of it (as RECLAIM). A hand-over is counted
 # (`handovers`): it is no failed delivery, the delivery limit leaves it out.
 # (The reclaimed list is the request's model's, read from its hash: built here.)
 HANDOVER = """
-local P = ARGV[1]
+local a = cjson.decode(ARGV[1])
+local P = a.prefix
 local moved = 0
 local woken = {}
-for i = 3, #ARGV, 2 do
-  local req = KEYS[(i - 1) / 2 + 3]
+for i, r in ipairs(a.runs) do
+  local req = KEYS[i + 3]
   local h = redis.call('HMGET', req, 'state', 'model', 'owner', 'run', 'deadline', 'in_deadlines')
-  if h[1] == 'running' and h[3] == ARGV[2] and h[4] == ARGV[i + 1] then
+  if h[1] == 'running' and h[3] == a.consumer and h[4] == r.run then
     redis.call('HDEL', req, 'owner', 'in_deadlines')
-    if h[6] == '0' then redis.call('ZADD', KEYS[2], h[5], ARGV[i]) end
+    if h[6] == '0' then redis.call('ZADD', KEYS[2], h[5], r.id) end
     redis.call('HINCRBY', req, 'handovers', 1)
-    redis.call('ZREM', KEYS[1], ARGV[i])
-    redis.call('RPUSH', P .. 'reclaimed:' .. h[2], ARGV[i])
+    redis.call('ZREM', KEYS[1], r.id)
+    redis.call('RPUSH', P .. 'reclaimed:' .. h[2], r.id)
     redis.call('HINCRBY', KEYS[3], 'r:' .. h[2], 1)
     woken[h[2]] = true
     moved = moved + 1
@@ -136,8 +248,8 @@ return moved
 """
 
 
-# KEYS[1]: the request hash, KEYS[2]: the shard's notices.  ARGV: the request's id to name
-# in the notices at once ('' = none).
+# KEYS[1]: the request hash, KEYS[2]: the shard's notices.  ARGV: one JSON object
+#   (Follow.args): id, notice (name it in the notices at once).
 # A process's event hub follows the request's events: the scripts that write them name it
 # in the shard's notices from now on (_NOTICES). A new follower has it named at once too:
 # the hub's reader, blocked on the notices, wakes and reads the stream from the start,
@@ -145,17 +257,21 @@ return moved
 FOLLOW = f"""
 if redis.call('HEXISTS', KEYS[1], 'state') == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'followed', '1')
-if ARGV[1] ~= '' then redis.call('XADD', KEYS[2], 'MAXLEN', '~', {NOTICES_KEPT}, '*', 'ids', ARGV[1]) end
+local a = cjson.decode(ARGV[1])
+if a.notice then redis.call('XADD', KEYS[2], 'MAXLEN', '~', {NOTICES_KEPT}, '*', 'ids', a.id) end
 return 1
 """
 
-# KEYS[1]: the request hash.  ARGV: id, cancel channel.
+# KEYS[1]: the request hash.  ARGV: one JSON object (Cancel.args): id, channel (cancel's).
 # Never re-creates a hash that has expired.
 CANCEL = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
 if state ~= 'queued' and state ~= 'running' then return state end
 redis.call('HSET', KEYS[1], 'cancel', '1')
-if state == 'running' then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
+if state == 'running' then
+  local a = cjson.decode(ARGV[1])
+  redis.call('PUBLISH', a.channel, a.id)
+end
 return state
 """
