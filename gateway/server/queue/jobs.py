@@ -199,40 +199,23 @@ class JobStore:
         in its shard (outcome "started", with the run's token)."""
         shard = shard_of(requests[0].request_id)
         run = secrets.token_hex(8) if start_as and len(requests) == 1 else ""
-        head = {
-            "model": model,
-            "tenant": tenant,
-            "band": band,
-            "now": repr(time.time()),
-            "idem_ttl": self.idempotency_ttl_s,
-            "admission": admission.script_arg(),
-            "consumer": start_as if len(requests) == 1 else "",
-            "lease_ms": self.lease_ms,
-            "running": RUNNING_FIRST,
-            "light": "1" if light_only else "0",
-            "k": len(requests),
-            "run": run,
-        }
-        args: list[Any] = [shard.prefix, json.dumps(head, separators=(",", ":"))]  # (prefix: the SUBMIT_HEAD)
-        keys = [
-            *scripts.shard_keys(shard),
-            *scripts.model_keys(shard, model),
-            *scripts.tenant_keys(shard, model, tenant),
-        ]
-        for new in requests:
-            idem = new.idempotency
-            keys += [shard.request(new.request_id), shard.events(new.request_id)]
-            if idem:
-                keys.append(shard.idempotency(tenant, idem[0]))
-            args += [
-                new.request_id,
-                new.stored,
-                new.created_at,
-                new.deadline,
-                idem[0] if idem else "",
-                json.dumps({"id": new.request_id, "hash": idem[1]}) if idem else "",
-            ]
-        (reply,), missing = await self._replicated(self._submit, keys, args)  # SUBMIT answers per submission
+        submission = scripts.Submission(
+            model=model,
+            tenant=tenant,
+            band=band,
+            now=time.time(),
+            idempotency_ttl_s=self.idempotency_ttl_s,
+            admission=admission,
+            lease_ms=self.lease_ms,
+            running=RUNNING_FIRST,
+            requests=tuple(requests),
+            consumer=start_as if len(requests) == 1 else "",
+            run=run,
+            light_only=light_only,
+        )
+        call = scripts.Submit(shard, (submission,))
+        # SUBMIT answers per submission: this call's one
+        (reply,), missing = await self._replicated(self._submit, call.keys(), call.args())
         outcome = reply[0]
         if missing and outcome in ("accepted", "started"):
             await self._not_replicated(requests, (start_as, run) if outcome == "started" else None, missing)

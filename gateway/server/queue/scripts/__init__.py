@@ -64,7 +64,7 @@ from gateway.server.queue.scripts.runs import (
     renew_call,
 )
 from gateway.server.queue.scripts.shared import HIGH_BAND_LEAD, NOTICES_KEPT
-from gateway.server.queue.scripts.submit import SUBMIT, SUBMIT_HEAD, SUBMIT_MOST
+from gateway.server.queue.scripts.submit import SUBMIT, SUBMIT_HEAD, SUBMIT_MOST, Submission, Submit
 from gateway.server.queue.scripts.take import TAKE, Take
 
 __all__ = [
@@ -94,6 +94,8 @@ __all__ = [
     "Read",
     "Reclaim",
     "Renew",
+    "Submission",
+    "Submit",
     "Take",
     "finish_keys",
     "handover_keys",

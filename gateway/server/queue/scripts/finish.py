@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.protocol.redis_keys import Shard
-from gateway.server.queue.scripts.keys import finish_keys, script_json, shard_keys
+from gateway.server.queue.scripts.keys import finish_keys, number_text, script_json, shard_keys
 from gateway.server.queue.scripts.shared import _SHARD
 
 
@@ -38,7 +38,7 @@ class FinishItem:
             "tenant": self.tenant,
             "status": self.status,
             "terminal": self.terminal,
-            "finished_at": repr(float(self.finished_at)),
+            "finished_at": number_text(self.finished_at),
             "allowed": list(self.allowed),
             "output": self.output_event,
             "run": self.run,

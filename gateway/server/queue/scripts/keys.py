@@ -15,11 +15,17 @@ def script_json(fields: dict[str, Any]) -> str:
     (`cjson.decode`) and reads by name. Compact, its text as UTF-8 (not escaped: the script
     decodes fewer bytes and writes the text as it came). A field that is None is left out:
     cjson decodes null to `cjson.null`, which Lua takes for true, while a field left out is
-    nil. Times go as strings (repr of the float): a Lua number keeps 14 digits when written
-    back, and the scripts write them as they came."""
+    nil. Times go as strings (number_text): a Lua number keeps 14 digits when written back,
+    and the scripts write them as they came."""
     return json.dumps(
         {name: value for name, value in fields.items() if value is not None}, separators=(",", ":"), ensure_ascii=False
     )
+
+
+def number_text(value: float) -> str:
+    """A time as a script call's field: the text redis-py would send for it as an argument of
+    its own (repr of a float, str of an int), which the script writes as it came."""
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 # -- The keys, in the order the scripts read them from KEYS ------------------------------

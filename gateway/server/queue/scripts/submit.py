@@ -2,17 +2,96 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
+from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.job import Admission, NewRequest
+from gateway.server.queue.scripts.keys import model_keys, number_text, script_json, shard_keys, tenant_keys
 from gateway.server.queue.scripts.shared import _SHARD
 
-# KEYS: shard_keys (10), then per submission its model_keys and tenant_keys (10) and per
-#   request its hash, its events and, when it has an idempotency key, that key (the
-#   request's ARGV says whether).
-# ARGV: prefix, then per submission its head, one JSON object (JobStore.submit: model,
-#   tenant, band, now, idem_ttl, admission (Admission.script_arg), consumer to start it at
-#   once ('' = queue it), lease_ms (the length of that run's lease), running (the running
-#   event's data), light ('1': start at once only if the tenant runs nothing of this
-#   model), k (requests), run (the token of the run started at once)), then per request 6:
-#   id, payload, created_at, deadline, idempotency key suffix ('' = none), idempotency value
+
+@dataclass(frozen=True)
+class Submission:
+    """One submission in a SUBMIT call: requests of one tenant and model, admitted together
+    or not at all. Its KEYS, then its fields as one JSON argument the script reads by name,
+    then each request's payload as it is stored (Redis counts and stores it, never parses
+    it)."""
+
+    model: str
+    tenant: str
+    band: str
+    now: float
+    idempotency_ttl_s: int
+    admission: Admission
+    lease_ms: int  # the lease of a run started at once
+    running: str  # the data of that run's `running` event
+    requests: tuple[NewRequest, ...]
+    consumer: str = ""  # start it at once for this consumer (one request only; '': queue it)
+    run: str = ""  # the token of the run started at once
+    light_only: bool = False  # start at once only if the tenant runs nothing of this model
+
+    def keys(self, shard: Shard) -> list[str]:
+        keys = [*model_keys(shard, self.model), *tenant_keys(shard, self.model, self.tenant)]
+        for new in self.requests:
+            keys += [shard.request(new.request_id), shard.events(new.request_id)]
+            if new.idempotency:
+                keys.append(shard.idempotency(self.tenant, new.idempotency[0]))
+        return keys
+
+    def args(self) -> list[str | bytes]:
+        requests = []
+        for new in self.requests:
+            request = {
+                "id": new.request_id,
+                "created_at": number_text(new.created_at),
+                "deadline": number_text(new.deadline),
+            }
+            if new.idempotency:  # what the key holds: the submission's id and body hash
+                request["idem"] = json.dumps({"id": new.request_id, "hash": new.idempotency[1]})
+            requests.append(request)
+        fields = {
+            "model": self.model,
+            "tenant": self.tenant,
+            "band": self.band,
+            "now": number_text(self.now),
+            "idem_ttl": self.idempotency_ttl_s,
+            "admission": self.admission.script_arg(),
+            "consumer": self.consumer,
+            "lease_ms": self.lease_ms,
+            "running": self.running,
+            "light": self.light_only,
+            "run": self.run,
+            "requests": requests,
+        }
+        return [script_json(fields), *(new.stored for new in self.requests)]
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A SUBMIT call: submissions of one shard (the group commit merges the calls ready
+    together: SUBMIT_HEAD)."""
+
+    shard: Shard
+    submissions: tuple[Submission, ...]
+
+    def keys(self) -> list[str]:
+        return [*shard_keys(self.shard), *(key for s in self.submissions for key in s.keys(self.shard))]
+
+    def args(self) -> list[str | bytes]:
+        return [script_json({"prefix": self.shard.prefix}), *(arg for s in self.submissions for arg in s.args())]
+
+
+# KEYS: shard_keys (10), then per submission (Submission.keys) its model_keys and
+#   tenant_keys (10) and per request its hash, its events and, when it has an idempotency
+#   key, that key (the request's `idem` says whether).
+# ARGV: the call's head, one JSON object (Submit.args: prefix), then per submission its
+#   fields, one JSON object (Submission.args: model, tenant, band, now, idem_ttl, admission
+#   (Admission.script_arg), consumer to start it at once ('' = queue it), lease_ms (the
+#   length of that run's lease), running (the running event's data), light (start at once
+#   only if the tenant runs nothing of this model), run (the token of the run started at
+#   once), requests ({id, created_at, deadline, idem (what its idempotency key holds;
+#   absent: none)} each)), then its requests' payloads, one an argument.
 # Returns per submission {'accepted'}, {'started'}, {'existing', value per request} or
 # {'full', reason, count}. The K requests of a submission are admitted together or not at
 # all.
@@ -37,7 +116,7 @@ from gateway.server.queue.scripts.shared import _SHARD
 SUBMIT = (
     _SHARD
     + """
-local P = ARGV[1]  -- the shard's prefix: only for the keys a script finds as it runs
+local P = cjson.decode(ARGV[1]).prefix  -- the shard's prefix: only for the keys a script finds as it runs
 local leases = {}  -- score, id, ... of the runs started at once
 local settings_seen = {}  -- tenant -> its settings, as written
 -- The backlog's counters, each read once a call and kept as the call writes them: the
@@ -55,8 +134,6 @@ local function backlog_of(fields)
   return unpack(values)
 end
 local function add_backlog(f, by) backlog[f] = redis.call('HINCRBY', BACKLOG, f, by) end
--- One submission: its keys after KEYS[kb], its arguments after ARGV[ab]. Returns its
--- answer and how many keys and arguments it took.
 -- Over a cap? One dimension of admission (requests or bytes): the tenant's own cap
 -- (0: none) always binds, its share (0: none) while other tenants wait, the shard's cap
 -- unless the tenant is below its reserve. 'tenant', 'full' or nil.
@@ -75,16 +152,17 @@ local function submit(kb, ab)
   local BLOCKED = KEYS[kb + 6]
   local QUEUE = {high = KEYS[kb + 7], normal = KEYS[kb + 8], low = KEYS[kb + 9], batch = KEYS[kb + 10]}
   local model, tenant, band, now, consumer = a.model, a.tenant, a.band, a.now, a.consumer
-  local k, run = a.k, a.run
-  local function field(i, n) return ARGV[ab + 1 + (i - 1) * 6 + n] end
+  local requests, run = a.requests, a.run
+  local k = #requests
+  local function payload(i) return ARGV[ab + 1 + i] end
   local REQ, EVENTS, IDEM = {}, {}, {}
   local at = kb + 11
   for i = 1, k do
     REQ[i], EVENTS[i] = KEYS[at], KEYS[at + 1]
     at = at + 2
-    if field(i, 5) ~= '' then IDEM[i] = KEYS[at] at = at + 1 end
+    if requests[i].idem then IDEM[i] = KEYS[at] at = at + 1 end
   end
-  local used_keys, used_args = at - kb - 1, 1 + 6 * k
+  local used_keys, used_args = at - kb - 1, 1 + k
   local h = redis.call('HMGET', REQ[1], 'state', 'run')
   if h[1] then  -- this very call, replayed after a lost reply
     sync()
@@ -107,7 +185,7 @@ local function submit(kb, ab)
   local total, mine, bytes, my_bytes, waiting, reclaimed =
     backlog_of({total_field, tenant_field, 'bytes', bytes_field, 'm:' .. model, 'r:' .. model})
   local size = 0
-  for i = 1, k do size = size + string.len(field(i, 2)) end
+  for i = 1, k do size = size + string.len(payload(i)) end
   local cap = band == 'batch' and adm.max_batch_backlog or adm.max_backlog
   local by_count = over(total, mine, k, cap, adm.tenant_max_queued, adm.tenant_share, adm.reserve)
   if by_count then
@@ -143,7 +221,7 @@ local function submit(kb, ab)
     end
     return true
   end
-  local light_ok = a.light ~= '1' or running('m:' .. model .. ':' .. tenant) == 0
+  local light_ok = not a.light or running('m:' .. model .. ':' .. tenant) == 0
   local start_now = k == 1 and consumer ~= '' and light_ok and not own_limit_reached() and first_in_line()
   local state = {'state', 'queued', 'attempts', 0}
   -- A run started at once stays out of the deadlines set: its own run cuts it at its
@@ -152,11 +230,12 @@ local function submit(kb, ab)
     state = {'state', 'running', 'attempts', 1, 'started_at', now, 'owner', consumer, 'run', run, 'in_deadlines', '0'}
   end
   for i = 1, k do
-    local id, payload = field(i, 1), field(i, 2)
-    redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', payload,
-      'size', string.len(payload), 'created_at', field(i, 3), 'deadline', field(i, 4), 'emitted', 0, unpack(state))
-    local queued = cjson.encode({request_id = id, model = model, created_at = tonumber(field(i, 3))})
-    if IDEM[i] then redis.call('SET', IDEM[i], field(i, 6), 'EX', a.idem_ttl) end
+    local r, body = requests[i], payload(i)
+    local id = r.id
+    redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', body,
+      'size', string.len(body), 'created_at', r.created_at, 'deadline', r.deadline, 'emitted', 0, unpack(state))
+    local queued = cjson.encode({request_id = id, model = model, created_at = tonumber(r.created_at)})
+    if IDEM[i] then redis.call('SET', IDEM[i], r.idem, 'EX', a.idem_ttl) end
     if start_now then
       pend('t:' .. tenant, 1)
       pend('m:' .. model .. ':' .. tenant, 1)
@@ -167,7 +246,7 @@ local function submit(kb, ab)
       return {'started'}, used_keys, used_args
     end
     redis.call('XADD', EVENTS[i], '*', 'event', 'queued', 'data', queued)
-    redis.call('ZADD', DEADLINES, field(i, 4), id)
+    redis.call('ZADD', DEADLINES, r.deadline, id)
     redis.call('RPUSH', q, id)
   end
   -- The tenant has waiting work in (model, band): it joins the ready set at the current
@@ -202,7 +281,7 @@ return out
 )
 
 # The keys and arguments SUBMIT's submissions share: a call for several submissions of a
-# shard is these once, then each submission's own (submit_keys and its arguments).
+# shard is these once, then each submission's own (Submission.keys, Submission.args).
 SUBMIT_HEAD = (10, 1)
 # At most this many submissions in one SUBMIT.
 SUBMIT_MOST = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.protocol.redis_keys import Shard
-from gateway.server.queue.scripts.keys import model_keys, script_json, shard_keys
+from gateway.server.queue.scripts.keys import model_keys, number_text, script_json, shard_keys
 from gateway.server.queue.scripts.shared import _MODEL, _SHARD
 
 
@@ -31,7 +31,7 @@ class Take:
             "prefix": self.shard.prefix,
             "model": self.model,
             "consumer": self.consumer,
-            "now": repr(float(self.now)),
+            "now": number_text(self.now),
             "lease_ms": self.lease_ms,
             "token": self.token,
             "token_ttl": self.token_ttl_s,
