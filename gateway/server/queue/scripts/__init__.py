@@ -6,8 +6,17 @@ tenant_keys, request_keys, ...) list them: Redis Cluster routes the call by them
 while a slot migrates, redirects or retries it on them. The keys a script can only find
 as it runs (the request TAKE starts and the queue of the tenant it picks, the requests
 RECLAIM finds due, the ready sets a tenant's run unblocks, a queued request's queue) are
-built inside from ARGV[1], the shard's prefix; all of a shard's keys carry its hash tag,
-so they live in its slot (docs/deployment.md: moving a slot safely).
+built inside from the shard's prefix (`prefix`, in the call's JSON argument); all of a
+shard's keys carry its hash tag, so they live in its slot (docs/deployment.md: moving a
+slot safely).
+
+Each call is a frozen dataclass beside its script (Submit, Take, Emit, Renew, Reclaim,
+Handover, Finish, Cancel, Follow, Read): it gives the call's KEYS and its fields as one
+JSON argument (keys.script_json) that the script decodes with cjson and reads by name.
+What a script stores without reading (SUBMIT's payloads, FINISH's record) follows as
+arguments of their own. SUBMIT and FINISH are made for many items: a head (the shard's
+keys, one JSON argument) and then each item's keys and arguments, so the group commit
+merges the calls ready together by appending their items (gateway/common/redis.py).
 
 Each script is atomic and idempotent: replayed after a lost reply (the client retries on
 connection errors) it changes nothing more. A replay of SUBMIT or FINISH that finds its
