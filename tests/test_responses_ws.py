@@ -206,6 +206,48 @@ def test_a_reconnect_with_the_last_sequence_number_gets_the_rest(stack) -> None:
     assert tail[-1]["response"]["output"][0]["content"][0]["text"] == _prompt(events)
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city now.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+ECHOED = ("tools", "tool_choice", "parallel_tool_calls", "instructions", "temperature", "store")
+
+
+def test_a_resumed_store_false_response_echoes_the_tools_and_settings_it_was_made_with(stack) -> None:
+    asked = {
+        "type": "response.create",
+        "model": "llm_echo",
+        "store": False,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "none",
+        "parallel_tool_calls": False,
+        "instructions": "Be brief.",
+        "temperature": 0.5,
+        "input": "Resume me " * 20,
+        "max_output_tokens": 200,
+    }
+    with _raw_socket(stack) as socket:
+        socket.send(json.dumps(asked))
+        head = [json.loads(socket.recv()) for _ in range(5)]
+    created = head[0]["response"]
+    with _raw_socket(stack, f"?response_id={created['id']}&starting_after={head[-1]['sequence_number']}") as socket:
+        tail = []
+        while not tail or tail[-1]["type"] not in TERMINAL:
+            tail.append(json.loads(socket.recv()))
+    _check_events(head + tail)
+    resumed = tail[-1]["response"]
+    assert {name: resumed[name] for name in ECHOED} == {name: created[name] for name in ECHOED}
+    assert resumed["tools"][0]["name"] == "get_weather" and resumed["tool_choice"] == "none"
+
+
 def test_a_socket_is_closed_at_its_time_cap(stack) -> None:
     _, url = stack.start_gateway("ws-cap", RESPONSES_WS_MAX_S="1")
     socket = ws_client.connect(

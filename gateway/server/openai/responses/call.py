@@ -26,7 +26,13 @@ from gateway.server.openai.responses.settings import (
     invalid,
     response_id,
 )
-from gateway.server.openai.responses.store import ConversationStore, ResponseStore, item_bytes, response_entry
+from gateway.server.openai.responses.store import (
+    ConversationStore,
+    ResponseStore,
+    UnstoredSettings,
+    item_bytes,
+    response_entry,
+)
 from gateway.server.openai.schemas import (
     INCLUDE_LOGPROBS,
     Message,
@@ -262,13 +268,23 @@ async def response_call(
     return Call(request, settings, items, chain, context)
 
 
-async def keep(svc: Services, who: Caller, call: Call, request_id: str, model: str) -> None:
+async def keep(svc: Services, who: Caller, call: Call, request_id: str, model: str, *, resumable: bool = False) -> None:
     """Keep a stored response's settings and input items (and its place in its
-    conversation); nothing for store: false."""
+    conversation); for store: false, nothing, or (`resumable`: a WebSocket's, which runs on
+    when its socket closes) its settings in Redis while its events can be resumed."""
     settings = call.settings
     store = ResponseStore(svc)
+    if not settings.store:
+        if resumable:
+            timeout_s = call.native.timeout_s or svc.settings.default_timeout_s
+            try:
+                await UnstoredSettings(svc).put(who.scope, request_id, settings.model_dump(), timeout_s)
+            except Exception:
+                await spine.cancel(svc.jobs, request_id)  # no response that would resume without its settings
+                raise
+        return
     # (An Idempotency-Key's replay names a response already kept: it is not kept again.)
-    if not settings.store or await store.get(who.scope, response_id(request_id)) is not None:
+    if await store.get(who.scope, response_id(request_id)) is not None:
         return
     given = with_ids(call.items, request_id)
     document = {

@@ -9,7 +9,12 @@ Each document belongs to one tenant (another tenant's id reads as unknown) and e
 the records (RESULT_RETENTION_S). A deleted response keeps only its id, tenant and expiry,
 so that it reads as deleted rather than falling back to its bare record; `store: false`
 keeps no document at all (its record says so in its labels). Conversations (the
-Conversations API) are kept here too (ConversationStore)."""
+Conversations API) are kept here too (ConversationStore).
+
+A `store: false` response made over a WebSocket can be resumed on another socket while
+Redis holds its events: its settings (tools, tool choice, instructions, ...: what the
+resumed response object echoes and how its output is read) are kept in Redis for that
+while only (UnstoredSettings), never in MongoDB."""
 
 from __future__ import annotations
 
@@ -27,6 +32,31 @@ from gateway.server.services import Services
 COLLECTION = "responses"
 
 _prepared: set[tuple[int, str]] = set()
+
+
+# How long past its request's deadline a store: false response's settings stay in Redis: its
+# events are resumable until the binder stored its record and RESULTS_KEEP_S (30 s) more.
+UNSTORED_KEEP_S = 120
+
+
+class UnstoredSettings:
+    """The settings of a resumable store: false response, in Redis until UNSTORED_KEEP_S
+    past its deadline (a resume after that echoes what its record says)."""
+
+    def __init__(self, svc: Services) -> None:
+        self.redis = svc.redis
+
+    @staticmethod
+    def _key(tenant: str, request_id: str) -> str:
+        return f"responses:unstored:{tenant}:{request_id}"
+
+    async def put(self, tenant: str, request_id: str, settings: dict[str, Any], timeout_s: float) -> None:
+        value = json.dumps(settings, ensure_ascii=False, separators=(",", ":"))
+        await self.redis.set(self._key(tenant, request_id), value, ex=int(timeout_s) + UNSTORED_KEEP_S)
+
+    async def get(self, tenant: str, request_id: str) -> dict[str, Any] | None:
+        found = await self.redis.get(self._key(tenant, request_id))
+        return json.loads(found) if found else None
 
 
 class ResponseStore:

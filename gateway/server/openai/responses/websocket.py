@@ -17,7 +17,9 @@ OpenAI and the Open Responses specification define it.
 - A response keeps running when its socket closes: a new socket opened with
   `?response_id=<id>&starting_after=<sequence_number>` gets the events after that one,
   from the request's event stream in Redis (the openai client's on_reconnecting can set
-  that query), then takes response.create messages as any socket.
+  that query), then takes response.create messages as any socket. The resumed response
+  object echoes the settings it was made with: a stored one's from MongoDB, a store:
+  false one's from Redis (store.UnstoredSettings, kept as long as its events).
 - A socket is closed RESPONSES_WS_MAX_S (60 minutes) after it opened: once its response
   in flight has ended, an error event websocket_connection_limit_reached, then close
   1000."""
@@ -42,7 +44,7 @@ from gateway.server.openai.responses.call import keep, response_call
 from gateway.server.openai.responses.events import response_events
 from gateway.server.openai.responses.items import with_ids
 from gateway.server.openai.responses.settings import ResponseSettings, request_id_of, settings_of_record
-from gateway.server.openai.responses.store import ResponseStore, item_bytes
+from gateway.server.openai.responses.store import ResponseStore, UnstoredSettings, item_bytes
 from gateway.server.openai.schemas import ResponseRequest
 from gateway.server.services import Services
 
@@ -146,7 +148,7 @@ class _Socket:
             call = await response_call(body, self.svc, self.who, previous=held)
             flex = common.tier(body.service_tier).flex
             (request_id,) = (await self.svc.submitter.submit_many(self.who, [call.native], flex=flex)).request_ids
-            await keep(self.svc, self.who, call, request_id, body.model)
+            await keep(self.svc, self.who, call, request_id, body.model, resumable=True)
         except Exception as exc:  # refused: said on the socket, which stays open
             self._evict(previous)  # a failed continuation is not continued again
             await self.send(self._lane(_event_of(exc), stream_id))
@@ -216,7 +218,10 @@ class _Socket:
                 raise ApiError(410, "stream_expired", f"the events of {response} are no longer kept; GET it instead")
             document = await ResponseStore(self.svc).get(self.who.scope, response)
             kept = document is not None and not document.get("deleted") and document.get("settings")
-            settings = ResponseSettings.model_validate(document["settings"]) if kept and document else None
+            found = document["settings"] if kept and document else None
+            if found is None and outcome.metadata.get("store") == "false":
+                found = await UnstoredSettings(self.svc).get(self.who.scope, request_id)
+            settings = ResponseSettings.model_validate(found) if found else None
         except Exception as exc:
             await self.send(_event_of(exc))
             return
