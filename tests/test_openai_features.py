@@ -333,6 +333,17 @@ def test_another_tenants_cached_tokens_for_your_prompt_are_0(stack, client, mode
     assert (record["route"] or {}).get("matched_blocks", 0) == 0
 
 
+@pytest.mark.parametrize(("model", "timed"), [("llm", True), ("llm_ensemble", False)])
+def test_only_a_model_with_its_own_cache_per_tenant_reports_time_to_first_token(stack, model, timed) -> None:
+    # llm's engine takes the tenant's cache salt; the ensemble's path to it takes none, so there
+    # the time to first token would tell whether another tenant sent the prompt's prefix.
+    body = {"model": model, "inputs": {"text_input": "Hello there", "max_tokens": 2}}
+    response = httpx.post(f"{stack.gateway_url}/infer", headers={**AUTH, "Prefer": "wait=60"}, json=body, timeout=90)
+    record = response.json()
+    assert record["status"] == "succeeded", record
+    assert (record["timings"].get("ttft_ms") is not None) is timed, record["timings"]
+
+
 # -- service tiers ------------------------------------------------------------------------
 
 

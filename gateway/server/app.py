@@ -184,6 +184,13 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         )
         store = ResultStore(mongo, settings.mongo_db, settings.result_retention_s)
         http = httpx.AsyncClient(timeout=10)
+        for name in sorted(n for n, a in registry.adapters.items() if a.shared_prefix_cache):
+            log.warning(
+                "model %s shares one prefix cache among tenants (its engine takes no cache salt): how soon "
+                "a reply starts tells whether another tenant sent the same prefix; its records carry no "
+                "time to first token. Salt its engine (cache_salt) or turn KV cache reuse off.",
+                name,
+            )
         registry = ModelRegistry.from_file(settings.models_file)
         jobs = JobStore(
             redis,

@@ -202,7 +202,7 @@ class Runner:
             replica=replica_name(control.replica) if control.replica else None,
             route=control.route,
             usage=usage,
-            ttft_s=control.first_response_s,
+            ttft_s=None if adapter is None or adapter.shared_prefix_cache else control.first_response_s,
             index=adapter.index if adapter else None,
         )
 

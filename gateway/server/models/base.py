@@ -160,6 +160,10 @@ class ModelAdapter:
     resumable: bool = False
     # Its prefix cache is salted per tenant: the submission sets parameters.cache_salt.
     salted_cache: bool = False
+    # Its engine keeps one prefix cache for all tenants (an LLM whose engine takes no salt,
+    # spec.cache_salt false): how soon a prompt's first token comes tells whether another
+    # tenant sent the same prefix, so its records carry no time to first token.
+    shared_prefix_cache: bool = False
 
     def __init__(self, name: str, triton_model: str) -> None:
         self.name = name

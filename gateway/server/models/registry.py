@@ -109,6 +109,12 @@ def load_specs(path: Path | None) -> list[ModelSpec]:
 
 
 def build_adapter(spec: ModelSpec) -> ModelAdapter:
+    adapter = _adapter(spec)
+    adapter.shared_prefix_cache = spec.kind == "llm" and not spec.cache_salt
+    return adapter
+
+
+def _adapter(spec: ModelSpec) -> ModelAdapter:
     triton_model = spec.triton_model or spec.name
     if spec.kind == "embedding":
         return EmbeddingAdapter(
