@@ -43,8 +43,8 @@ class Renew:
         return lease_keys(self.shard, [request_id for request_id, _ in self.runs])
 
     def args(self) -> list[str]:
-        runs = [{"id": request_id, "run": run} for request_id, run in self.runs]
-        return [script_json({"consumer": self.consumer, "lease_ms": self.lease_ms, "runs": runs})]
+        ids, runs = [request_id for request_id, _ in self.runs], [run for _, run in self.runs]
+        return [script_json({"consumer": self.consumer, "lease_ms": self.lease_ms, "ids": ids, "runs": runs})]
 
 
 def renew_call(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
@@ -80,8 +80,8 @@ class Handover:
         return handover_keys(self.shard, [request_id for request_id, _ in self.runs])
 
     def args(self) -> list[str]:
-        runs = [{"id": request_id, "run": run} for request_id, run in self.runs]
-        return [script_json({"prefix": self.shard.prefix, "consumer": self.consumer, "runs": runs})]
+        ids, runs = [request_id for request_id, _ in self.runs], [run for _, run in self.runs]
+        return [script_json({"prefix": self.shard.prefix, "consumer": self.consumer, "ids": ids, "runs": runs})]
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,8 @@ return out
 
 # KEYS: the shard's leases, then per run its request's hash (lease_keys).
 # ARGV: one JSON object (Renew.args): consumer, lease_ms (the lease length, from Redis's
-#   clock now), runs ({id, run (its token)} each).
+#   clock now), ids (the runs' requests) and runs (their tokens), side by side: two lists
+#   of strings decode without a table a run (RENEW runs every few seconds for every run).
 # Renews the leases of the runs still ours; returns per run: 1 still ours, 2 ours but
 # asked to cancel, 0 stale (another run took over, or it was handed on), 3 ended while
 # still this run's (FINISH keeps `run` and `owner`): its own FINISH landed before this
@@ -171,14 +172,14 @@ RENEW = (
 local a = cjson.decode(ARGV[1])
 local out = {}
 local ends = lease_end(a.lease_ms)
-for i, r in ipairs(a.runs) do
+for i, id in ipairs(a.ids) do
   local h = redis.call('HMGET', KEYS[i + 1], 'state', 'run', 'cancel', 'owner')
-  if h[2] ~= r.run or h[4] ~= a.consumer then
+  if h[2] ~= a.runs[i] or h[4] ~= a.consumer then
     out[#out + 1] = 0
   elseif h[1] ~= 'running' then
     out[#out + 1] = 3
   else
-    redis.call('ZADD', KEYS[1], ends, r.id)
+    redis.call('ZADD', KEYS[1], ends, id)
     out[#out + 1] = h[3] == '1' and 2 or 1
   end
 end
@@ -218,7 +219,8 @@ return #due
 )
 
 # KEYS: those of RECLAIM, then per run its request's hash (handover_keys).
-# ARGV: one JSON object (Handover.args): prefix, consumer, runs ({id, run (its token)} each).
+# ARGV: one JSON object (Handover.args): prefix, consumer, ids (the runs' requests) and runs
+#   (their tokens), side by side (as RENEW's).
 # A stopping dispatcher hands its running requests on: each goes to the front of the line
 # at once (no lease to wait out), if it is still running and still this run's, and into
 # the deadlines set if it was kept out of it (as RECLAIM). A hand-over is counted
@@ -229,15 +231,15 @@ local a = cjson.decode(ARGV[1])
 local P = a.prefix
 local moved = 0
 local woken = {}
-for i, r in ipairs(a.runs) do
+for i, id in ipairs(a.ids) do
   local req = KEYS[i + 3]
   local h = redis.call('HMGET', req, 'state', 'model', 'owner', 'run', 'deadline', 'in_deadlines')
-  if h[1] == 'running' and h[3] == a.consumer and h[4] == r.run then
+  if h[1] == 'running' and h[3] == a.consumer and h[4] == a.runs[i] then
     redis.call('HDEL', req, 'owner', 'in_deadlines')
-    if h[6] == '0' then redis.call('ZADD', KEYS[2], h[5], r.id) end
+    if h[6] == '0' then redis.call('ZADD', KEYS[2], h[5], id) end
     redis.call('HINCRBY', req, 'handovers', 1)
-    redis.call('ZREM', KEYS[1], r.id)
-    redis.call('RPUSH', P .. 'reclaimed:' .. h[2], r.id)
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('RPUSH', P .. 'reclaimed:' .. h[2], id)
     redis.call('HINCRBY', KEYS[3], 'r:' .. h[2], 1)
     woken[h[2]] = true
     moved = moved + 1
