@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -38,7 +39,7 @@ from sse_starlette import ServerSentEvent
 from gateway.protocol import ResultRecord, State
 from gateway.protocol.http import InferRequest
 from gateway.server.api.errors import ApiError
-from gateway.server.api.sse import EventStream
+from gateway.server.api.sse import EventStream, FrameTemplate, json_value
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.llm import tools as toolcalls
 from gateway.server.models import ModelAdapter
@@ -389,6 +390,22 @@ async def _answer(
     return JSONResponse(text_completion(records, body, tpb), headers=headers)
 
 
+class Pads:
+    """Random padding for one stream's deltas (common.obfuscation's), cut from a pool drawn 4 KB
+    at a time: drawing for each delta cost more than the rest of its frame."""
+
+    def __init__(self) -> None:
+        self.pool, self.at = "", 0
+
+    def take(self, length: int) -> str:
+        """Padding that brings a text of `length` characters to a multiple of 16."""
+        size = 16 - length % 16
+        if self.at + size > len(self.pool):
+            self.pool, self.at = secrets.token_urlsafe(3072), 0
+        self.at += size
+        return self.pool[self.at - size : self.at]
+
+
 class ChunkStream:
     """The chunks of a streamed chat completion or completion, from the events of its
     requests (one per choice)."""
@@ -425,6 +442,24 @@ class ChunkStream:
             "system_fingerprint": None,
             "service_tier": common.tier(body.service_tier).name,
         }
+        self.templates: dict[int, FrameTemplate] = {}  # a choice's text delta (_text_frame)
+        self.pads = Pads()
+
+    def _text_frame(self, index: int, text: str) -> bytes:
+        """A chat delta of text, from the choice's template: the same frame _event makes."""
+        template = self.templates.get(index)
+        if template is None:
+            delta = {"content": FrameTemplate.hole(0)}
+            choice = {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
+            payload: dict[str, Any] = {**self.base, "choices": [choice]}
+            if self.include_usage:
+                payload["usage"] = None
+            if self.obfuscate:
+                payload["obfuscation"] = FrameTemplate.hole(1)
+            template = self.templates[index] = FrameTemplate(payload)
+        if self.obfuscate:
+            return template.fill(json_value(text), f'"{self.pads.take(len(text))}"')
+        return template.fill(json_value(text))
 
     def _event(self, choice: dict[str, Any], text: str = "") -> ServerSentEvent:
         payload: dict[str, Any] = {**self.base, "choices": [choice]}
@@ -440,8 +475,10 @@ class ChunkStream:
         text = str(delta.get("content", ""))
         return self._event({"index": index, "text": text, "finish_reason": None, "logprobs": None}, text)
 
-    def _pieces(self, index: int, request_id: str, items: list[str | toolcalls.ToolCall]) -> list[ServerSentEvent]:
-        events = []
+    def _pieces(
+        self, index: int, request_id: str, items: list[str | toolcalls.ToolCall]
+    ) -> list[ServerSentEvent | bytes]:
+        events: list[ServerSentEvent | bytes] = []
         for item in items:
             if isinstance(item, str):
                 if item:
@@ -452,14 +489,13 @@ class ChunkStream:
                 self.calls[index] += 1
         return events
 
-    def _text(self, index: int, text: str) -> ServerSentEvent:
+    def _text(self, index: int, text: str) -> ServerSentEvent | bytes:
         self.offsets[index] += len(text)
         if self.chat:
-            choice = {"index": index, "delta": {"content": text}, "finish_reason": None, "logprobs": None}
-            return self._event(choice, text)
+            return self._text_frame(index, text)
         return self._delta(index, {"content": text})
 
-    def on_token(self, index: int, request_id: str, text: str) -> list[ServerSentEvent]:
+    def on_token(self, index: int, request_id: str, text: str) -> list[ServerSentEvent | bytes]:
         if not text:
             return []
         if self.plan.forced:
@@ -470,8 +506,8 @@ class ChunkStream:
             return self._pieces(index, request_id, parser.feed(text))
         return [self._text(index, text)]
 
-    def on_end(self, index: int, record: ResultRecord) -> list[ServerSentEvent]:
-        events: list[ServerSentEvent] = []
+    def on_end(self, index: int, record: ResultRecord) -> list[ServerSentEvent | bytes]:
+        events: list[ServerSentEvent | bytes] = []
         parser = self.parsers[index]
         if parser is not None:
             events += self._pieces(index, record.request_id, parser.finish())
@@ -493,7 +529,7 @@ class ChunkStream:
         events.append(self._event(choice))
         return events
 
-    async def events(self, svc: Services) -> AsyncIterator[ServerSentEvent]:
+    async def events(self, svc: Services) -> AsyncIterator[ServerSentEvent | bytes]:
         if self.chat:
             for index in range(len(self.request_ids)):
                 yield self._delta(index, {"role": "assistant", "content": ""})
