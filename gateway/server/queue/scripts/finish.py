@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.protocol.redis_keys import Shard
-from gateway.server.queue.scripts.keys import finish_keys, number_text, script_json, shard_keys
+from gateway.server.queue.scripts.keys import finish_keys, head_json, number_text, script_json, shard_keys
 from gateway.server.queue.scripts.shared import _SHARD
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FinishItem:
     """One request's end in a FINISH call: its KEYS (finish_keys, 13) and its fields, one
     JSON argument the script reads by name, then its record as it is (Redis stores it and
@@ -47,7 +47,7 @@ class FinishItem:
         return [script_json(fields), self.record]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Finish:
     """A FINISH call: the requests of one shard that end together (the group commit merges
     the calls ready together: FINISH_HEAD)."""
@@ -57,11 +57,16 @@ class Finish:
     items: tuple[FinishItem, ...]
 
     def keys(self) -> list[str]:
-        return [*shard_keys(self.shard), *(key for item in self.items for key in item.keys(self.shard))]
+        keys = shard_keys(self.shard)
+        for item in self.items:
+            keys += item.keys(self.shard)
+        return keys
 
     def args(self) -> list[str]:
-        head = script_json({"prefix": self.shard.prefix, "done": self.done_channel})
-        return [head, *(arg for item in self.items for arg in item.args())]
+        args = [head_json(self.shard.prefix, self.done_channel)]
+        for item in self.items:
+            args += item.args()
+        return args
 
 
 # KEYS: shard_keys (10), then per request (FinishItem.keys) its model_keys and tenant_keys

@@ -4,10 +4,15 @@ script runs)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 from gateway.protocol.redis_keys import BANDS, Shard
+
+# One encoder, made once: json.dumps with options of its own makes a new one each call.
+# (The fields are plain dicts and lists built for the call: nothing to check for circles.)
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False)
 
 
 def script_json(fields: dict[str, Any]) -> str:
@@ -17,9 +22,14 @@ def script_json(fields: dict[str, Any]) -> str:
     cjson decodes null to `cjson.null`, which Lua takes for true, while a field left out is
     nil. Times go as strings (number_text): a Lua number keeps 14 digits when written back,
     and the scripts write them as they came."""
-    return json.dumps(
-        {name: value for name, value in fields.items() if value is not None}, separators=(",", ":"), ensure_ascii=False
-    )
+    return _JSON.encode({name: value for name, value in fields.items() if value is not None})
+
+
+@functools.cache
+def head_json(prefix: str, done: str = "") -> str:
+    """The JSON head of a call made for many items (SUBMIT: its shard's prefix; FINISH: and
+    the done channel), made once a shard."""
+    return script_json({"prefix": prefix, "done": done or None})
 
 
 def number_text(value: float) -> str:

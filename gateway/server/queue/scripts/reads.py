@@ -9,7 +9,7 @@ from gateway.protocol.redis_keys import Shard
 from gateway.server.queue.scripts.keys import read_keys, script_json
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Read:
     """A READ or QUEUE call: one request, read (the two take the same arguments)."""
 

@@ -11,7 +11,7 @@ from gateway.server.queue.scripts.keys import handover_keys, lease_keys, reclaim
 from gateway.server.queue.scripts.shared import _CLOCK, _NOTICES, NOTICES_KEPT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Emit:
     """An EMIT call: token events of runs of one shard."""
 
@@ -29,7 +29,7 @@ class Emit:
         return [script_json({"events": events})]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Renew:
     """A RENEW call: the leases of (request id, run token) runs of one shard end lease_ms
     from now, by Redis's clock."""
@@ -54,7 +54,7 @@ def renew_call(shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str,
     return call.keys(), call.args()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Reclaim:
     """A RECLAIM call: up to `limit` runs of a shard whose lease ran out."""
 
@@ -68,7 +68,7 @@ class Reclaim:
         return [script_json({"prefix": self.shard.prefix, "limit": self.limit})]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Handover:
     """A HANDOVER call: a consumer's (request id, run token) runs of one shard, handed on."""
 
@@ -84,7 +84,7 @@ class Handover:
         return [script_json({"prefix": self.shard.prefix, "consumer": self.consumer, "ids": ids, "runs": runs})]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Follow:
     """A FOLLOW call: the request's events are followed (notice: named in the notices now)."""
 
@@ -99,7 +99,7 @@ class Follow:
         return [script_json({"id": self.request_id, "notice": self.notice})]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Cancel:
     """A CANCEL call: the request is asked to stop (its runner told on `channel`)."""
 

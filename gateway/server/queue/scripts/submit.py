@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from gateway.protocol.redis_keys import Shard
 from gateway.server.queue.job import Admission, NewRequest
-from gateway.server.queue.scripts.keys import model_keys, number_text, script_json, shard_keys, tenant_keys
+from gateway.server.queue.scripts.keys import head_json, model_keys, number_text, script_json, shard_keys, tenant_keys
 from gateway.server.queue.scripts.shared import _SHARD
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Submission:
     """One submission in a SUBMIT call: requests of one tenant and model, admitted together
     or not at all. Its KEYS, then its fields as one JSON argument the script reads by name,
@@ -67,7 +67,7 @@ class Submission:
         return [script_json(fields), *(new.stored for new in self.requests)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Submit:
     """A SUBMIT call: submissions of one shard (the group commit merges the calls ready
     together: SUBMIT_HEAD)."""
@@ -76,10 +76,16 @@ class Submit:
     submissions: tuple[Submission, ...]
 
     def keys(self) -> list[str]:
-        return [*shard_keys(self.shard), *(key for s in self.submissions for key in s.keys(self.shard))]
+        keys = shard_keys(self.shard)
+        for submission in self.submissions:
+            keys += submission.keys(self.shard)
+        return keys
 
     def args(self) -> list[str | bytes]:
-        return [script_json({"prefix": self.shard.prefix}), *(arg for s in self.submissions for arg in s.args())]
+        args: list[str | bytes] = [head_json(self.shard.prefix)]
+        for submission in self.submissions:
+            args += submission.args()
+        return args
 
 
 # KEYS: shard_keys (10), then per submission (Submission.keys) its model_keys and

@@ -9,7 +9,7 @@ from gateway.server.queue.scripts.keys import model_keys, number_text, script_js
 from gateway.server.queue.scripts.shared import _MODEL, _SHARD
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Take:
     """A TAKE call: start up to `most` requests of a model in a shard for a consumer."""
 
