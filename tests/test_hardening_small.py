@@ -65,7 +65,6 @@ async def test_metrics_label_replicas_by_name_never_by_address() -> None:
     pool = SimpleNamespace(replicas=[SimpleNamespace(url=url, healthy=True, inflight=3) for url in urls])
     metrics = GatewayMetrics()
     sweeper = Sweeper(
-        redis=None,  # type: ignore[arg-type]
         jobs=SimpleNamespace(shards=[]),  # type: ignore[arg-type]
         pool=pool,  # type: ignore[arg-type]
         settings=GatewaySettings(_env_file=None),  # type: ignore[call-arg]

@@ -893,8 +893,7 @@ async def _started(store: JobStore, consumer: str = "c1") -> tuple[str, str]:
 async def _renew(clients: RedisClients, request_id: str, run: str, consumer: str = "c1") -> list[int]:
     client = clients.sync_client()
     try:
-        renew = client.register_script(scripts.RENEW)
-        return await asyncio.to_thread(spine.keep_leases, renew, SHARD, consumer, 10_000, [(request_id, run)])
+        return await asyncio.to_thread(spine.keep_leases, client, SHARD, consumer, 10_000, [(request_id, run)])
     finally:
         client.close()
 
@@ -1012,8 +1011,8 @@ async def test_the_sweep_reads_a_shards_overdue_requests_in_one_round_trip_and_e
         raise AssertionError("a request read on its own")
 
     monkeypatch.setattr(store, "load", one_by_one)
-    sweeper = Sweeper(store.redis, store, SimpleNamespace(replicas=[]), GatewaySettings(), metrics=None)  # type: ignore[arg-type]
-    await sweeper.expire_overdue()
+    sweeper = Sweeper(store, SimpleNamespace(replicas=[]), GatewaySettings(), metrics=None)  # type: ignore[arg-type]
+    await sweeper.sweep()
     assert {job.state for job in await store.load_many([r.request_id for r in overdue])} == {State.EXPIRED}
     assert await store.redis.zcard(SHARD.deadlines) == 0
 

@@ -24,7 +24,6 @@ from gateway.common.redis import RedisClients
 from gateway.common.result_store import ResultStore
 from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
 from gateway.protocol import ResultRecord
-from gateway.server import spine
 from gateway.server.anthropic import messages as anthropic_messages
 from gateway.server.anthropic.errors import anthropic_error
 from gateway.server.api import admin, events, operations, results, search
@@ -184,6 +183,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         )
         store = ResultStore(mongo, settings.mongo_db, settings.result_retention_s)
         http = httpx.AsyncClient(timeout=10)
+        registry = ModelRegistry.from_file(settings.models_file)
         for name in sorted(n for n, a in registry.adapters.items() if a.shared_prefix_cache):
             log.warning(
                 "model %s shares one prefix cache among tenants (its engine takes no cache salt): how soon "
@@ -191,7 +191,6 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
                 "time to first token. Salt its engine (cache_salt) or turn KV cache reuse off.",
                 name,
             )
-        registry = ModelRegistry.from_file(settings.models_file)
         jobs = JobStore(
             redis,
             shards=settings.redis_shards,
@@ -211,7 +210,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
             clients.unblocker(),
             clients.reader,
             lambda request_id, entry: reader.record_json(request_id, entry),
-            lambda request_id, notice: spine.follow(jobs, request_id, notice),
+            jobs.follow,
             max_followers=settings.max_followers,
             tenant_share=share_of(
                 settings.max_followers, settings.tenant_follower_share, settings.tenant_follower_floor
@@ -276,7 +275,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         dispatcher.finished_hooks.append(usage.add)
         dispatcher.finished_hooks.append(lambda record: count_tenant(metrics, settings, record))
         dispatcher.finished_hooks.append(token_counter(quotas, tenants, background))
-        sweeper = Sweeper(redis, jobs, pool, settings, metrics)
+        sweeper = Sweeper(jobs, pool, settings, metrics)
         submitter = Submitter(settings, registry, jobs, quotas, dispatcher, metrics, trace_id=current_trace_id)
         reader = ResultReader(jobs, store, notifier, settings.result_retention_s)
         app.state.services = Services(

@@ -7,46 +7,57 @@ details live.
                 tenant's rate limits -> SUBMIT: queued durably in the tenant's shard, or
                 started at once in this process when it has a free replica slot
     2. start    TAKE: the fair queue's next requests, as many as a process has free slots
-                for, in one call
-    3. run      guards (cancel asked, too many deliveries) -> route -> call the replica
-                (dispatch/runner.py) -> relay tokens (EMIT, batched per shard by
-                dispatch/relay.py); its lease kept meanwhile (RENEW, from a thread)
-    4. finish   FINISH: every token event in the stream first, then the record, once.
-                The other ends: cancel (CANCEL), expiry, a draining process handing its
-                runs on (HANDOVER), a dead process's runs put first in line (RECLAIM)
-    5. read     READ: the request, its record while Redis holds it, or where it waits
+                for, in one call; the process holds each (a task, a slot, a lease) and
+                its task carries it through 3 to 5 (`carry`)
+    3. run      guards (cancel asked, too many deliveries) -> route -> call the replica,
+                another one on a replica's failure (dispatch/runner.py) -> relay tokens
+                (EMIT, batched per shard by dispatch/relay.py); its lease kept meanwhile
+                (RENEW, from a thread). A run that breaks or whose process dies is run
+                again elsewhere once its lease runs out (RECLAIM, first in line)
+    4. finish   FINISH: every token event in the stream first, then the record, once
+    5. deliver  the record to this process's waiters at once (other processes' learn it
+                from FINISH's `done` message); this process's hooks for every end
+    The other ends: cancel (CANCEL), a draining process handing its runs on (HANDOVER),
+    and the sweeper's: a dead process's runs put first in line (RECLAIM), expiry.
 
-The spine is the only caller of the script layer (gateway.server.queue.jobs over the Lua
-scripts of queue/scripts/). Its drivers: the API routes and the batch runner call
-accept (Submitter) and read (results/reader.py); each process's dispatcher
-(dispatch/dispatcher.py) calls start, run and finish for the runs it holds, the sweeper
-expire and reclaim. The spine imports nothing above it: what it needs of its drivers (a
-process that can start a run at once, the replica call) it is handed, as the protocols
-below describe them. Each stage is a span of the request's trace (gateway.common.tracing)."""
+Every change of a request's state goes through this module: it is the only caller of
+the script layer's writes (gateway.server.queue.jobs over the Lua scripts of
+queue/scripts/). Reads change nothing and are no stage: the readers (results/reader.py,
+the event hub's FOLLOW, the API's state checks, the dispatcher's look at the backlog)
+call JobStore's reads themselves. Its drivers: the API routes and the batch runner call
+accept (Submitter) and cancel; each process's dispatcher (dispatch/dispatcher.py), which
+owns only what a process has (its slots, its tasks, its leases' renewal), calls start,
+carry and hand_over, its lease keeper keep_leases, its relay emit; the sweeper sweep.
+The spine imports nothing above it: what it needs of its drivers (a process that holds
+runs, the replica call, the waiters) it is handed, as the protocols below describe them.
+Each stage is a span of the request's trace (gateway.common.tracing)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry.trace import SpanKind
+from redis.exceptions import NoScriptError
 
 from gateway.common import tracing
 from gateway.common.logs import bind_request_ids
-from gateway.common.redis import NotReplicated, waits_for_redis
+from gateway.common.redis import REDIS_OUTAGE, NotReplicated, waits_for_redis
 from gateway.protocol import ErrorInfo, ResultRecord, State, new_request_id
 from gateway.protocol.http import InferRequest
 from gateway.protocol.redis_keys import Shard, band_for
 from gateway.server import submission as checks
-from gateway.server.errors import Busy, Conflict, Forbidden, LostPieces
+from gateway.server.errors import Busy, Conflict, Forbidden, LostPieces, StaleRun
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.queue import scripts
-from gateway.server.queue.jobs import Emitted, Job, JobStore, NewRequest, QueueStanding, TokenEvent, inputs_delta
+from gateway.server.queue.jobs import Emitted, Job, JobStore, NewRequest, TokenEvent, inputs_delta
 from gateway.server.settings import GatewaySettings
 from gateway.server.submission import Submission
 from gateway.server.tenants.caller import Caller
@@ -56,13 +67,18 @@ log = logging.getLogger(__name__)
 
 # How long a finished run keeps trying to record its end while Redis is away, past its deadline.
 FINISH_GRACE_S = 30.0
+# Requests past their deadline a shard's sweep ends at most at once.
+SWEEP_MOST = 200
 
 
 # -- 1. accept ----------------------------------------------------------------------------
 
 
 class StartsRuns(Protocol):
-    """A process that can start a request at once (the dispatcher)."""
+    """A process that holds runs (the dispatcher): it can start a request at once, and
+    holds each request started for it (its task, its slot, its lease)."""
+
+    consumer: str
 
     def can_start_now(self, model: str, tenant: str) -> tuple[str, bool]: ...
     def end_start_now(self, model: str) -> None: ...
@@ -222,17 +238,23 @@ async def replayed(jobs: JobStore, tenant: str, keys: list[str], hashes: list[st
 # -- 2. start -----------------------------------------------------------------------------
 
 
-async def start_next(
-    jobs: JobStore, shard: Shard, model: str, consumer: str, *, most: int = 1, light_only: bool
+async def start(
+    jobs: JobStore, process: StartsRuns, shard: Shard, model: str, *, most: int, light_only: bool
 ) -> list[Job] | str:
-    """TAKE: start the fair queue's next requests of `model` in the shard for this
-    consumer, up to `most` in one call (dispatch/scheduler.py tells the policy): the Jobs,
-    each `run` its new run's token; or "empty", or "held" (only tenants outside the
+    """TAKE: start the fair queue's next requests of `model` in the shard for this process,
+    up to `most` in one call (dispatch/scheduler.py tells the policy; the dispatcher, when
+    to ask and for how many), each with its new run's token; the process holds each at
+    once (its task, its slot, its lease: `adopt`), whose task carries it through stages 3
+    to 5 (`carry`). The Jobs started, or "empty", or "held" (only tenants outside the
     headroom wait)."""
-    return await jobs.take_many(shard, model, consumer, most=most, light_only=light_only)
+    started = await jobs.take_many(shard, model, process.consumer, most=most, light_only=light_only)
+    if isinstance(started, list):
+        for job in started:
+            process.adopt(job)
+    return started
 
 
-# -- 3. run -------------------------------------------------------------------------------
+# -- 3 to 5: a request started in this process --------------------------------------------
 
 
 class RunsRequests(Protocol):
@@ -240,6 +262,62 @@ class RunsRequests(Protocol):
 
     async def run(self, job: Job, control: Any, prepared: Any = None) -> ResultRecord: ...
     def partial(self, job: Job, control: Any, status: State, error: ErrorInfo | None) -> ResultRecord: ...
+
+
+class Delivers(Protocol):
+    """This process's waiters for ended requests (results/notifier.py)."""
+
+    def running(self, request_id: str) -> AbstractContextManager[None]: ...
+    def deliver(self, request_id: str, record: str) -> None: ...
+
+
+@dataclass
+class Carrier:
+    """Stages 3 to 5 with this process's parts: what the dispatcher's task of each request
+    it holds calls (`carry`). Every record this process ends, by whichever stage (a run's
+    FINISH, a cancel while queued, an expiry), goes through `ended` (JobStore.on_ended)."""
+
+    jobs: JobStore
+    runner: RunsRequests
+    registry: ModelRegistry
+    notifier: Delivers
+    metrics: GatewayMetrics
+    max_deliveries: int
+    # Called with every record this process ends (quick, in-line: they spawn what must wait).
+    finished_hooks: list[Callable[[ResultRecord], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.jobs.on_ended.append(functools.partial(ended, self))
+
+
+async def carry(parts: Carrier, job: Job, control: Any, prepared: Any, *, on_acquired: Callable[[], None]) -> None:
+    """A started request's life in this process, in the task that holds it: run it (3),
+    finish it (4), deliver its record (5). A run found stale (another run took the request
+    over) stops without finishing: the newer run finishes it. A run that breaks otherwise
+    finishes nothing: its lease runs out, and RECLAIM puts it first in line to run again
+    (a replica's failure is not that: the runner tries another replica within the run)."""
+    request_id = job.request_id
+    # This task's log context is a copy of its spawner's (maybe another request's run).
+    bind_request_ids(trace_id=job.payload.get("trace_id"), request_id=request_id)
+    # Its `done` message is for other processes: this one is handed the record (deliver).
+    with parts.notifier.running(request_id):
+        try:
+            parts.metrics.count_queue_wait(job.model, max(0.0, time.time() - job.created_at))
+            record = await run(
+                parts.runner, job, control, prepared, max_deliveries=parts.max_deliveries, on_acquired=on_acquired
+            )
+            data = await finish(parts.jobs, job, record, control.emitter, output_event=output_event(parts, job, record))
+            if data is not None:
+                deliver(parts, record, data)
+        except StaleRun:
+            log.warning(
+                "request %s: attempt %d found itself stale; the newer run finishes it", request_id, job.attempts
+            )
+        except Exception:
+            log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
+
+
+# -- 3. run -------------------------------------------------------------------------------
 
 
 @tracing.of_job("run", queued=True, kind=SpanKind.CONSUMER)  # after a `start` span: the wait to start
@@ -266,18 +344,39 @@ async def run(
         return runner.partial(job, control, State.EXPIRED, error)
 
 
-async def emit(jobs: JobStore, shard: Shard, events: list[TokenEvent]) -> list[Emitted]:
-    """EMIT: token events of several runs of one shard, in one call (dispatch/relay.py
-    gathers them)."""
-    return await jobs.emit_many(shard, events)
+async def emit(jobs: JobStore, shard: Shard, events: list[TokenEvent], writers: list[asyncio.Future[Emitted]]) -> None:
+    """EMIT: the token events of several runs of one shard, as the relay gathered them
+    (dispatch/relay.py), in one call, fenced by each run's token. Each writer learns its
+    own event's outcome (written; a gap in the stream to send again; the run stale; a
+    cancel asked: dispatch/emitter.py acts on it), or the call's error (the emitter keeps
+    its pieces and tries again)."""
+    try:
+        replies = await jobs.emit_many(shard, events)
+    except BaseException as exc:
+        for writer in writers:
+            if not writer.done():
+                writer.set_exception(exc if isinstance(exc, Exception) else ConnectionError("relay stopped"))
+        if not isinstance(exc, Exception):
+            raise
+    else:
+        for writer, reply in zip(writers, replies, strict=True):
+            if not writer.done():
+                writer.set_result(reply)
 
 
-def keep_leases(renew: Any, shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> list[int]:
-    """RENEW, from the lease keeper's thread (dispatch/leases.py) on its own connection:
-    per (request id, run token) 1 still ours, 2 ours but asked to cancel, 0 stale, 3 ended
-    (its own FINISH landed first: scripts.RENEW)."""
+def keep_leases(client: Any, shard: Shard, consumer: str, lease_ms: int, runs: list[tuple[str, str]]) -> list[int]:
+    """RENEW, from the lease keeper's thread (dispatch/leases.py) on its own synchronous
+    connection: per (request id, run token) 1 still ours, 2 ours but asked to cancel, 0
+    stale, 3 ended (its own FINISH landed first: scripts.RENEW). A node that does not know
+    the script (a promoted replica) is given it."""
+    renew = client.register_script(scripts.RENEW)
     keys, args = scripts.renew_call(shard, consumer, lease_ms, runs)
-    return [int(flag) for flag in renew(keys=keys, args=args)]
+    try:
+        flags = renew(keys=keys, args=args)
+    except NoScriptError:
+        client.script_load(scripts.RENEW)
+        flags = renew(keys=keys, args=args)
+    return [int(flag) for flag in flags]
 
 
 # -- 4. finish ----------------------------------------------------------------------------
@@ -327,67 +426,110 @@ async def finish(
         return reply if isinstance(reply, str) else None
 
 
+def output_event(parts: Carrier, job: Job, record: ResultRecord) -> bool:
+    """Whether FINISH sends the whole output as one `output` event (it did not go out as tokens)."""
+    adapter = parts.registry.adapters.get(job.model)
+    streamed = adapter is not None and adapter.decoupled and job.payload.get("stream")
+    return bool(record.status == State.SUCCEEDED and not streamed and record.outputs)
+
+
+# -- 5. deliver ---------------------------------------------------------------------------
+
+
+def deliver(parts: Carrier, record: ResultRecord, data: str) -> None:
+    """The record of a run this process finished, to this process's waiters at once
+    (long polls, SSE, /v1 calls; other processes' wake on FINISH's `done` message and read
+    it; the binders store it from the results stream)."""
+    parts.notifier.deliver(record.request_id, data)
+    log.info(
+        "request %s: %s on %s, %.0f ms after submission",
+        record.request_id,
+        record.status.value,
+        record.replica or "no replica",
+        record.timings.total_ms or 0,
+    )
+
+
+def ended(parts: Carrier, record: ResultRecord) -> None:
+    """Every record this process ends, whichever stage ended it: its hooks (usage, the
+    tenant's counters, the token quota) and metrics, once per request (JobStore.on_ended)."""
+    for hook in parts.finished_hooks:
+        try:
+            hook(record)
+        except Exception as exc:  # accounting must not break finishing
+            log.warning("after %s finished: %s: %s", record.request_id, type(exc).__name__, exc)
+    parts.metrics.count_finished(record)
+
+
+# -- the other ends -----------------------------------------------------------------------
+
+
 async def cancel(jobs: JobStore, request_id: str) -> State | None:
-    """CANCEL: a queued request ends now; a running one is asked to stop (its dispatcher
-    sees the flag). The state after the call, None if unknown."""
+    """CANCEL: a queued request ends now (FINISH from queued); a running one is asked to
+    stop (its dispatcher sees the flag, by pub/sub at once or by its lease keeper). The
+    state after the call, None if unknown. (The composition lives in JobStore.cancel.)"""
     return await jobs.cancel(request_id)
 
 
+async def hand_over(jobs: JobStore, consumer: str, runs: list[tuple[str, str]]) -> None:
+    """HANDOVER: the runs a draining process still holds, (request id, run token), go
+    first in line for any other process at once (a hand-over does not count against the
+    delivery limit). If that fails, their leases run out and RECLAIM does it, later."""
+    try:
+        moved = await jobs.handover(consumer, runs)
+    except Exception as exc:
+        log.warning("handing %d requests on failed (%s); they are reclaimed when their leases end", len(runs), exc)
+        return
+    log.info("handed %d running requests on to other gateways", moved)
+
+
+async def sweep(jobs: JobStore, shard: Shard, *, grace_s: float, most: int = SWEEP_MOST) -> None:
+    """The ends no run reaches, in one shard (every gateway's sweeper; any may, all at
+    once is harmless). RECLAIM: runs whose lease ran out (their process died) go first in
+    line. Then the requests whose deadline passed expire: those due (at most `most`) read
+    in one round trip, those that ended meanwhile dropped from the deadlines set in one
+    command, the rest expired together (their FINISHes share the group commit's calls). A
+    running one is given grace_s past its deadline: its own dispatcher cuts it first. A
+    Redis away leaves the shard to the next sweep; one broken request, the others to this one."""
+    try:
+        reclaimed = await jobs.reclaim(shard)
+    except REDIS_OUTAGE as exc:
+        log.warning("reclaiming in %s failed: %s", shard.prefix, type(exc).__name__)
+    else:
+        if reclaimed:
+            log.info("%d running requests of %s lost their dispatcher; they start again", reclaimed, shard.prefix)
+    now = time.time()
+    try:
+        due = await jobs.redis.zrangebyscore(shard.deadlines, "-inf", now, start=0, num=most)
+        if not due:
+            return
+        found = await jobs.load_many(due)
+    except REDIS_OUTAGE as exc:
+        log.warning("expiring in %s failed: %s", shard.prefix, type(exc).__name__)
+        return
+    for request_id, job in zip(due, found, strict=True):
+        if isinstance(job, Exception):
+            log.warning("expiring %s failed: %s", request_id, job)
+    loaded = [(rid, job) for rid, job in zip(due, found, strict=True) if not isinstance(job, Exception)]
+    gone = [rid for rid, job in loaded if job is None or job.state.terminal]
+    overdue = [
+        job
+        for _, job in loaded
+        if job is not None
+        and (job.state == State.QUEUED or (job.state == State.RUNNING and now > job.deadline + grace_s))
+    ]
+    outcomes = await asyncio.gather(
+        *(expire(jobs, job) for job in overdue),
+        *([jobs.redis.zrem(shard.deadlines, *gone)] if gone else []),
+        return_exceptions=True,
+    )
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            log.warning("expiring in %s failed: %s", shard.prefix, outcome)
+
+
 async def expire(jobs: JobStore, job: Job) -> bool:
-    """End a request whose deadline passed before it ended (the sweeper); False when it
-    ended meanwhile."""
+    """End a request whose deadline passed before it ended (FINISH from the state it was
+    read in); False when it ended meanwhile."""
     error = ErrorInfo(code="deadline_exceeded", message="the request's deadline passed before it ended")
     return await jobs.finish(job.record(State.EXPIRED, error=error), allowed=(job.state,)) is not None
-
-
-async def hand_over(jobs: JobStore, consumer: str, runs: list[tuple[str, str]]) -> int:
-    """HANDOVER: a draining process's runs, (request id, run token), go first in line for
-    any other process at once."""
-    return await jobs.handover(consumer, runs)
-
-
-async def reclaim(jobs: JobStore, shard: Shard) -> int:
-    """RECLAIM: runs whose lease ran out (their process died) go first in line."""
-    return await jobs.reclaim(shard)
-
-
-# -- 5. read ------------------------------------------------------------------------------
-
-
-async def read(jobs: JobStore, request_id: str) -> tuple[Job | None, str | None, QueueStanding | None]:
-    """READ: the request at one instant, with its record (JSON) while the results stream
-    holds it, or where it stands when queued."""
-    return await jobs.read(request_id)
-
-
-async def load(jobs: JobStore, request_id: str) -> Job | None:
-    """The request's state alone."""
-    return await jobs.load(request_id)
-
-
-async def load_many(jobs: JobStore, request_ids: list[str]) -> list[Job | Exception | None]:
-    """The states of many requests, in one round trip (the sweeper's); a broken one is its
-    parse error."""
-    return await jobs.load_many(request_ids)
-
-
-async def standing(jobs: JobStore, request_id: str) -> QueueStanding | None:
-    """QUEUE: where a queued request stands (None when it is not queued)."""
-    return await jobs.queue_position(request_id)
-
-
-async def follow(jobs: JobStore, request_id: str, notice: bool) -> bool:
-    """FOLLOW: an event hub follows the request's events; the scripts that write them
-    name it in the shard's notices from now on, and with notice FOLLOW names it there
-    now (a new follower: the hub's reader wakes to read it). False: the request is not there."""
-    return await jobs.follow(request_id, notice=notice)
-
-
-async def record_at(jobs: JobStore, shard: Shard, entry: str) -> str | None:
-    """The record at an entry of the shard's results stream (gone once stored and trimmed)."""
-    return await jobs.record_at(shard, entry)
-
-
-async def final_record(jobs: JobStore, request_id: str) -> str | None:
-    """The record of an ended request while the results stream still holds it."""
-    return await jobs.final_record(request_id)

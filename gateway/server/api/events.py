@@ -19,7 +19,6 @@ from gateway.common.redis import REDIS_OUTAGE
 from gateway.protocol import TERMINAL_EVENT, ResultRecord, State
 from gateway.protocol.http import LiveStatus
 from gateway.protocol.redis_keys import shard_of
-from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
@@ -105,7 +104,7 @@ async def sse_events(
                 yield ServerSentEvent(data=event.data, event=event.kind, id=event.id)
             elif queued:
                 try:
-                    job = await spine.load(svc.jobs, request_id)
+                    job = await svc.jobs.load(request_id)
                     standing = (
                         await svc.results.standing(job) if job is not None and job.state == State.QUEUED else None
                     )

@@ -65,7 +65,7 @@ async def cancel(request_id: str, request: Request, who: Annotated[Caller, Depen
                 await asyncio.wait_for(ended, timeout=CANCEL_WAIT_S)
             except TimeoutError:
                 pass
-            job = await spine.load(svc.jobs, request_id)
+            job = await svc.jobs.load(request_id)
             state = job.state if job else state
     if state in (State.SUCCEEDED, State.FAILED, State.EXPIRED):
         raise ApiError(409, "already_finished", f"{request_id} already ended: {state.value}")

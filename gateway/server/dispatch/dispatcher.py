@@ -1,6 +1,8 @@
-"""The dispatcher: asyncio tasks in every gateway process that start queued requests
-(TAKE, which picks by the policy in scheduler.py), run them, and finish them, each stage
-through gateway.server.spine (the order of a request's life is read there).
+"""The dispatcher: what each gateway process owns of the runs it holds: its replica slots,
+a task per run, their leases' renewal, and the loops that decide when to start work. Every
+change of a request's state is a stage of gateway.server.spine (a request's life is read
+there): the dispatcher asks spine.start to TAKE and hold requests, its task of each calls
+spine.carry (run -> finish -> deliver), and spine.hand_over on shutdown.
 
 - Asks for a model's work only while its replicas have a free slot, keeping the headroom
   for light tenants (scheduler.Headroom); asks the shards where work was announced
@@ -27,16 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.common.logs import bind_request_ids
 from gateway.common.redis import REDIS_OUTAGE, RedisClients
 from gateway.common.retry import LoopHealth, cancel_and_wait, supervise
-from gateway.protocol import ResultRecord, State
+from gateway.protocol import ResultRecord
 from gateway.protocol.redis_keys import CANCEL_CHANNEL, WORK_CHANNEL, Shard
 from gateway.server import spine
 from gateway.server.dispatch.leases import LeaseKeeper
 from gateway.server.dispatch.runner import RunControl, Runner
 from gateway.server.dispatch.scheduler import Headroom, ShardPlan
-from gateway.server.errors import StaleRun
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.queue.jobs import Job, JobStore
@@ -74,8 +74,8 @@ class Dispatcher:
     settings: GatewaySettings
     metrics: GatewayMetrics
     notifier: CompletionNotifier
-    # Called (in the background) with every record this process finishes.
-    # Called with every record this process ends (quick, in-line: they spawn what must wait).
+    # Called with every record this process ends (quick, in-line: they spawn what must wait;
+    # spine.ended calls them).
     finished_hooks: list[Callable[[ResultRecord], None]] = field(default_factory=list)
     running: dict[str, Running] = field(default_factory=dict)
     health: dict[str, LoopHealth] = field(default_factory=dict)
@@ -84,7 +84,16 @@ class Dispatcher:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.jobs.on_ended.append(self.count)
+        # Stages 3 to 5 of the runs this process holds, with its parts (the same hooks).
+        self.carrier = spine.Carrier(
+            self.jobs,
+            self.runner,
+            self.registry,
+            self.notifier,
+            self.metrics,
+            self.settings.max_deliveries,
+            self.finished_hooks,
+        )
         self.headroom = Headroom(fraction=self.settings.fair_headroom)
         self.plan = ShardPlan(self.jobs.shards)
         self.plan.mark_all(self.registry.names)
@@ -121,13 +130,7 @@ class Dispatcher:
         await asyncio.gather(*(t for t in tasks if not t.done()), return_exceptions=True)
         await self.leases.stop()
         if left:
-            try:
-                moved = await spine.hand_over(self.jobs, self.consumer, left)
-                log.info("handed %d running requests on to other gateways", moved)
-            except Exception as exc:
-                log.warning(
-                    "handing %d requests on failed (%s); they are reclaimed when their leases end", len(left), exc
-                )
+            await spine.hand_over(self.jobs, self.consumer, left)
 
     # -- taking work -------------------------------------------------------------------
 
@@ -151,9 +154,17 @@ class Dispatcher:
         self._promised[model] -= 1
 
     def adopt(self, job: Job, prepared: Any = None) -> None:
-        """Run a request SUBMIT started for this process (attempt 1, already running);
+        """Hold a request started for this process (by SUBMIT at once, attempt 1, or by
+        TAKE): a slot, a task that carries it to its end (spine.carry), its lease renewed;
         prepared: its inputs as validated at submission (not validated again)."""
-        self._spawn(job, prepared)
+        if job.request_id in self.running:
+            return
+        self.headroom.touch(job.model, job.tenant)
+        running = Running(job=job, prepared=prepared)
+        self.running[job.request_id] = running
+        self.leases.add(job.request_id, job.run)  # renewed from now on, however busy this loop is
+        self._acquiring[job.model] = self._acquiring.get(job.model, 0) + 1
+        running.task = asyncio.create_task(self._hold(running), name=f"request-{job.request_id}")
 
     def wake(self) -> None:
         """Look at every shard now (a replica came back: what waited can start)."""
@@ -184,16 +195,6 @@ class Dispatcher:
         task = asyncio.ensure_future(coroutine)
         self._side.add(task)
         task.add_done_callback(self._side.discard)
-
-    def _spawn(self, job: Job, prepared: Any = None) -> None:
-        if job.request_id in self.running:
-            return
-        self.headroom.touch(job.model, job.tenant)
-        running = Running(job=job, prepared=prepared)
-        self.running[job.request_id] = running
-        self.leases.add(job.request_id, job.run)  # renewed from now on, however busy this loop is
-        self._acquiring[job.model] = self._acquiring.get(job.model, 0) + 1
-        running.task = asyncio.create_task(self._handle(running), name=f"request-{job.request_id}")
 
     async def _take_loop(self) -> None:
         last_poll = time.monotonic()  # the channel loop marks every shard as it subscribes
@@ -250,14 +251,12 @@ class Dispatcher:
                 # it as many as there is room for above it, in one call.
                 most = 1 if light else min(room - reserve, TAKE_MOST)
                 try:
-                    got = await spine.start_next(self.jobs, shard, model, self.consumer, most=most, light_only=light)
+                    got = await spine.start(self.jobs, self, shard, model, most=most, light_only=light)
                 except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): the others go on
                     log.warning("taking %s work from %s failed: %s", model, shard.prefix, type(exc).__name__)
                     continue
-                if isinstance(got, list):
+                if isinstance(got, list):  # each held here now (adopt)
                     self.plan.mark(shard.index, model)  # there may be more
-                    for job in got:
-                        self._spawn(job)
                     started += len(got)
                 elif got == "held":
                     self.plan.mark(shard.index, model)  # work waits there: ask again when a slot frees
@@ -320,75 +319,31 @@ class Dispatcher:
             self.plan.mark(shard, model)
             self._wake.set()
 
-    # -- running one request -----------------------------------------------------------
+    # -- holding one request -----------------------------------------------------------
 
-    async def _handle(self, running: Running) -> None:
+    async def _hold(self, running: Running) -> None:
+        """The task of a request this process holds: its run's control (which the lease
+        keeper, cancels and shutdown stop), spine.carry, then its slot and lease let go."""
         job = running.job
-        request_id = job.request_id
-        # This task's log context is a copy of its spawner's (maybe another request's run).
-        bind_request_ids(trace_id=job.payload.get("trace_id"), request_id=request_id)
-        # Its `done` message is for other processes: this one is handed the record (deliver).
-        with self.notifier.running(request_id):
-            try:
-                if running.stale:
-                    return
-                control = running.control = RunControl(request_id=request_id, attempt=job.attempts, token=job.run)
-                control.cancel_requested = job.cancel_requested
-                self.metrics.count_queue_wait(job.model, max(0.0, time.time() - job.created_at))
-                record = await spine.run(
-                    self.runner,
-                    job,
-                    control,
-                    running.prepared,
-                    max_deliveries=self.settings.max_deliveries,
-                    on_acquired=lambda: self._acquired(running),
-                )
-                data = await spine.finish(
-                    self.jobs, job, record, control.emitter, output_event=self._output_event(job, record)
-                )
-                if data is not None:
-                    self.notifier.deliver(request_id, data)
-                    log.info(
-                        "request %s: %s on %s, %.0f ms after submission",
-                        request_id,
-                        record.status.value,
-                        record.replica or "no replica",
-                        record.timings.total_ms or 0,
-                    )
-            except StaleRun:
-                log.warning(
-                    "request %s: attempt %d found itself stale; the newer run finishes it", request_id, job.attempts
-                )
-            except asyncio.CancelledError:
-                if not running.stale:
-                    raise  # shutting down: the request is handed on
-            except Exception:
-                log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
-            finally:
-                if running.control is not None:
-                    running.control.release()
-                self.leases.discard(request_id, job.run)
-                self.running.pop(request_id, None)
-                self._acquired(running)
-                self._wake.set()
+        try:
+            if running.stale:
+                return
+            control = running.control = RunControl(request_id=job.request_id, attempt=job.attempts, token=job.run)
+            control.cancel_requested = job.cancel_requested
+            await spine.carry(self.carrier, job, control, running.prepared, on_acquired=lambda: self._acquired(running))
+        except asyncio.CancelledError:
+            if not running.stale:
+                raise  # shutting down: the request is handed on
+        finally:
+            if running.control is not None:
+                running.control.release()
+            self.leases.discard(job.request_id, job.run)
+            self.running.pop(job.request_id, None)
+            self._acquired(running)
+            self._wake.set()
 
     def _acquired(self, running: Running) -> None:
         """The run holds a replica slot now (or ended without one): it no longer counts as waiting."""
         if not running.acquired:
             running.acquired = True
             self._acquiring[running.job.model] -= 1
-
-    def _output_event(self, job: Job, record: ResultRecord) -> bool:
-        """Whether the whole output goes out as one `output` event (it did not go out as tokens)."""
-        adapter = self.registry.adapters.get(job.model)
-        streamed = adapter is not None and adapter.decoupled and job.payload.get("stream")
-        return bool(record.status == State.SUCCEEDED and not streamed and record.outputs)
-
-    def count(self, record: ResultRecord) -> None:
-        """Metrics and hooks of a request this process ended (JobStore.on_ended)."""
-        for hook in self.finished_hooks:
-            try:
-                hook(record)
-            except Exception as exc:  # accounting must not break finishing
-                log.warning("after %s finished: %s: %s", record.request_id, type(exc).__name__, exc)
-        self.metrics.count_finished(record)

@@ -31,13 +31,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from gateway.common.redis import REDIS_OUTAGE, RedisClients
 from gateway.protocol.ids import request_id_shard
 from gateway.protocol.redis_keys import Shard
 from gateway.server import spine
-from gateway.server.queue import scripts
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +122,6 @@ class LeaseKeeper:
         # A renewal that takes longer than a third of the lease is of no use: give up on it
         # sooner than the clients' own timeout (the next round tries again).
         client = self.clients.sync_client(timeout_s=min(self.clients.timeout_s, max(0.5, self.interval_s)))
-        renew = client.register_script(scripts.RENEW)
         pool = ThreadPoolExecutor(max_workers=max(1, min(MAX_WORKERS, len(self.shards))), thread_name_prefix="renew")
         in_flight: dict[int, Future[bool]] = {}
         try:
@@ -137,7 +133,7 @@ class LeaseKeeper:
                     break
                 wait = self.interval_s
                 try:
-                    if not self._round(client, renew, pool, in_flight):
+                    if not self._round(client, pool, in_flight):
                         wait = min(RETRY_S, self.interval_s)
                 except Exception:  # a defect of ours: log it, renew again next round
                     log.exception("renewing leases failed")
@@ -146,7 +142,7 @@ class LeaseKeeper:
             pool.shutdown(wait=True, cancel_futures=True)
             client.close()
 
-    def _round(self, client: Any, renew: Any, pool: ThreadPoolExecutor, in_flight: dict[int, Future[bool]]) -> bool:
+    def _round(self, client: Any, pool: ThreadPoolExecutor, in_flight: dict[int, Future[bool]]) -> bool:
         """Renew every shard's runs (one RENEW per shard, side by side); False when a
         shard's renewal failed last time (the next round comes sooner)."""
         loop = self._loop
@@ -181,17 +177,13 @@ class LeaseKeeper:
                 ok = ok and not done.exception() and done.result()
         for index, shard_runs in by_shard.items():
             if index not in in_flight:  # a renewal still waiting for its node is not sent again
-                in_flight[index] = pool.submit(self._renew_shard, client, renew, self.shards[index], shard_runs)
+                in_flight[index] = pool.submit(self._renew_shard, client, self.shards[index], shard_runs)
         self.rounds += 1
         return ok
 
-    def _renew_shard(self, client: Any, renew: Any, shard: Shard, runs: list[tuple[str, str]]) -> bool:
+    def _renew_shard(self, client: Any, shard: Shard, runs: list[tuple[str, str]]) -> bool:
         try:
-            try:
-                flags = spine.keep_leases(renew, shard, self.consumer, self.lease_ms, runs)
-            except NoScriptError:  # a node whose script cache is empty (a promoted replica)
-                client.script_load(scripts.RENEW)
-                flags = spine.keep_leases(renew, shard, self.consumer, self.lease_ms, runs)
+            flags = spine.keep_leases(client, shard, self.consumer, self.lease_ms, runs)
         except REDIS_OUTAGE as exc:  # that shard's Redis is away (a failover): the others go on
             log.warning("renewing %d leases in %s failed: %s", len(runs), shard.prefix, type(exc).__name__)
             return False

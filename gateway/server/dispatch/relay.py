@@ -64,17 +64,7 @@ class TokenRelay:
         events, waiters = pending.events, pending.waiters
         pending.events, pending.waiters, pending.urgent = [], [], False
         try:
-            replies = await spine.emit(self.jobs, shard, events)
-        except BaseException as exc:
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(exc if isinstance(exc, Exception) else ConnectionError("relay stopped"))
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            for waiter, reply in zip(waiters, replies, strict=True):
-                if not waiter.done():
-                    waiter.set_result(reply)
+            await spine.emit(self.jobs, shard, events, waiters)  # each waiter gets its event's outcome
         finally:
             pending.sending = None
             self._schedule(shard, pending)

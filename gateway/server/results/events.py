@@ -155,7 +155,7 @@ class EventHub:
         results entry) gives a record (from Redis, or MongoDB once stored);
         mark_followed(request id, notice) has the scripts name the request in its shard's
         notices, and with notice names it there now; False if the request is gone
-        (spine.follow). max_followers: the followers and long polls this process holds at
+        (JobStore.follow). max_followers: the followers and long polls this process holds at
         once; tenant_share: how many of them one tenant may hold (None: all)."""
         self.redis = redis  # for checks
         self.connect_reader = connect_reader

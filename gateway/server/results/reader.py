@@ -23,7 +23,6 @@ from gateway.common.result_store import ResultStore
 from gateway.protocol import ResultRecord, State, request_id_time, utc
 from gateway.protocol.http import LiveStatus, QueuePosition, result_urls
 from gateway.protocol.redis_keys import shard_of
-from gateway.server import spine
 from gateway.server.errors import Gone, NotFound, Refused
 from gateway.server.queue.jobs import Job, JobStore, QueueStanding
 from gateway.server.results.notifier import CompletionNotifier
@@ -97,7 +96,7 @@ class ResultReader:
 
     async def standing(self, job: Job) -> QueuePosition | None:
         """Where a job read as queued stands now (None: it has moved on since)."""
-        return self.position(job, await spine.standing(self.jobs, job.request_id))
+        return self.position(job, await self.jobs.queue_position(job.request_id))
 
     def position(self, job: Job, found: QueueStanding | None) -> QueuePosition | None:
         if found is None:
@@ -115,7 +114,7 @@ class ResultReader:
 
     async def job(self, request_id: str, tenant: str | None) -> Job | None:
         """The live job, if it exists and belongs to the tenant (None = any tenant)."""
-        job = await spine.load(self.jobs, request_id)
+        job = await self.jobs.load(request_id)
         if job is None or (tenant is not None and job.tenant != tenant):
             return None
         return job
@@ -130,7 +129,7 @@ class ResultReader:
         return self.store.as_stored(record) if record.webhook is None else None
 
     async def get(self, request_id: str, tenant: str | None = None) -> Outcome:
-        job, end, standing = await spine.read(self.jobs, request_id)
+        job, end, standing = await self.jobs.read(request_id)
         if job is not None and (tenant is None or job.tenant == tenant):
             if not job.state.terminal:
                 return self.live(job, standing)
@@ -171,7 +170,7 @@ class ResultReader:
 
     async def record_json(self, request_id: str, entry: str) -> str:
         """A record named by its results-stream entry: from Redis, or MongoDB once stored."""
-        record = await spine.record_at(self.jobs, shard_of(request_id), entry)
+        record = await self.jobs.record_at(shard_of(request_id), entry)
         if record is not None:
             return record
         stored = await self.store.get(request_id, None)
@@ -183,7 +182,7 @@ class ResultReader:
         """As get(), as JSON: (ended, the record's or live state's JSON, state). The record
         of a request that ended is passed on as Redis holds it, never parsed again (once
         stored, parsed once here to add what storing adds: kept_as_stored)."""
-        job, end, standing = await spine.read(self.jobs, request_id)
+        job, end, standing = await self.jobs.read(request_id)
         if job is not None and (tenant is None or job.tenant == tenant):
             if not job.state.terminal:
                 return False, self.live(job, standing).model_dump_json(), job.state
@@ -224,7 +223,7 @@ class ResultReader:
             if request_id not in found:
                 job = await self.job(request_id, tenant)
                 if job is not None and job.state.terminal:
-                    data = await spine.final_record(self.jobs, request_id)
+                    data = await self.jobs.final_record(request_id)
                     if data:
                         found[request_id] = ResultRecord.model_validate_json(data)
         return found
