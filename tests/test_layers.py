@@ -79,6 +79,29 @@ def test_only_the_spine_changes_a_requests_state() -> None:
     assert callers == []
 
 
+# The one stage whose whole composition still lives in JobStore (CANCEL, then FINISH from
+# queued): the API routes' and /v1's way to cancel until it moves into the spine.
+FORWARDS_ALLOWED = {"cancel"}
+
+
+def test_no_spine_function_only_forwards_to_the_job_store() -> None:
+    forwards = []
+    for node in ast.parse((PACKAGE / "server" / "spine.py").read_text()).body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)) or body[0].value is None:
+            continue
+        call = body[0].value.value if isinstance(body[0].value, ast.Await) else body[0].value
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and ast.unparse(call.func.value).endswith("jobs")
+        ):
+            forwards.append(node.name)
+    assert sorted(forwards) == sorted(FORWARDS_ALLOWED)
+
+
 def test_no_module_imports_the_scripts_but_the_script_layer_and_the_spine() -> None:
     importers = {
         name
