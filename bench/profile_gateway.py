@@ -11,6 +11,7 @@ request of the recorded slice (rate × seconds requests); --summarize reads a ra
 recorded before instead of running.
 
 Run:  .venv/bin/python -m bench.profile_gateway --rate 200 --seconds 12
+      .venv/bin/python -m bench.profile_gateway --many 64 --seconds 20 --functions 40
       .venv/bin/python -m bench.profile_gateway --relay 200 --seconds 40
       .venv/bin/python -m bench.profile_gateway --rate 250 --seconds 12 --summarize /tmp/raw.txt --functions 40
 Needs py-spy (`.venv/bin/pip install py-spy`); raw stacks are kept in --raw.
@@ -62,7 +63,7 @@ def summarize(raw: Path) -> str:
     return "\n".join(lines)
 
 
-def inclusive(raw: Path, requests: float, top: int) -> str:
+def inclusive(raw: Path, requests: float, top: int, rate: int = SAMPLE_RATE) -> str:
     """The gateway's functions (and the first library function each calls) by the samples
     beneath them, each sample counted once per function, in µs per request; and each one's
     own: the samples where it is the innermost function of ours."""
@@ -90,7 +91,7 @@ def inclusive(raw: Path, requests: float, top: int) -> str:
             counts[name] += int(count)
         if innermost:
             own[innermost] += int(count)
-    per_sample_us = 1e6 / SAMPLE_RATE / requests
+    per_sample_us = 1e6 / rate / requests
     lines = ["| function | inclusive µs/request | own µs/request |", "| --- | --- | --- |"]
     lines += [
         f"| {name} | {n * per_sample_us:.0f} | {own[name] * per_sample_us:.0f} |" for name, n in counts.most_common(top)
@@ -103,9 +104,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200)
     parser.add_argument("--seconds", type=float, default=12, help="how long to record (the slice is 2 s longer)")
     parser.add_argument("--relay", type=int, default=0, help="profile the relay of this many streams instead")
+    parser.add_argument("--many", type=int, default=0, help="profile clip_text embeddings calls of this many inputs")
     parser.add_argument("--raw", type=Path, default=Path("/tmp/gateway-profile.txt"))
     parser.add_argument("--functions", type=int, default=0, help="also the top N functions, per request")
     parser.add_argument("--summarize", type=Path, help="a raw file recorded before: only summarize it")
+    parser.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="py-spy samples a second")
     parser.add_argument("--native", action="store_true", help="record C frames too (py-spy pauses the process)")
     args = parser.parse_args()
     if args.summarize:
@@ -119,6 +122,10 @@ def main() -> None:
     command += ["--slice", f"{slice_s:g}", "--rounds", "1"]
     if args.relay:
         command = [sys.executable, "-m", "bench.gateway_bench", "--sections", "relay", "--streams", str(args.relay)]
+    if args.many:
+        command = [sys.executable, "-m", "bench.gateway_bench", "--sections", "many", "--many-model", "clip_text"]
+        command += ["--many-inputs", str(args.many), "--slice", f"{slice_s:g}", "--rounds", "1"]
+    whole = bool(args.relay or args.many)  # recorded from the start: the gateway idles in the direct phase
     with log.open("w") as err:
         bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
         try:
@@ -130,17 +137,20 @@ def main() -> None:
                 found = re.search(r"gateway +ready.*?pid (\d+)", log.read_text())
                 pid = int(found.group(1)) if found else None
                 time.sleep(0.5)
-            if not args.relay:
+            if not whole:
                 time.sleep(WARM_UP_S + slice_s + 1)  # past the warm-up and the direct slice
             spy = [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid)]
             spy += ["--native"] if args.native else ["--nonblocking"]
-            spy += ["-d", f"{args.seconds:g}", "-r", str(SAMPLE_RATE), "-f", "raw", "-o", str(args.raw)]
-            subprocess.run(spy, check=not args.relay, capture_output=True)  # the relay may end first
+            spy += ["-d", f"{args.seconds:g}", "-r", str(args.sample_rate), "-f", "raw", "-o", str(args.raw)]
+            subprocess.run(spy, check=not whole, capture_output=True)  # the relay may end first
         finally:
             bench.wait()
     print(summarize(args.raw))
-    if args.functions and not args.relay:
-        print("\n" + inclusive(args.raw, args.rate * args.seconds, args.functions))
+    if args.functions and args.many:
+        print(f"\n(per {args.many}-input call: divide by the calls the bench made in the slice)")
+        print(inclusive(args.raw, 1, args.functions, args.sample_rate))
+    elif args.functions and not args.relay:
+        print("\n" + inclusive(args.raw, args.rate * args.seconds, args.functions, args.sample_rate))
 
 
 if __name__ == "__main__":
