@@ -20,7 +20,11 @@ def _chain(rules: int) -> str:
 
 
 def _guided(guide_type: str, guide: str, max_tokens: int = 4) -> dict:
-    inputs = {"text_input": "Go.", "max_tokens": max_tokens, "guided_decoding": {"guide_type": guide_type, "guide": guide}}
+    inputs = {
+        "text_input": "Go.",
+        "max_tokens": max_tokens,
+        "guided_decoding": {"guide_type": guide_type, "guide": guide},
+    }
     return {"model": MODEL, "inputs": inputs}
 
 
