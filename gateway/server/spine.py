@@ -222,7 +222,9 @@ async def accept(
         parts.starts.adopt(job, prepared[0])  # validated once: the run does not do it again
     else:
         parts.starts.notice(shard, model)
-    return Submission(ids, existing=False, started_here=submitted.outcome == "started")
+    return Submission(
+        ids, existing=False, started_here=submitted.outcome == "started", prompt_tokens=list(prompt_tokens)
+    )
 
 
 async def replayed(jobs: JobStore, tenant: str, keys: list[str], hashes: list[str]) -> Submission | None:

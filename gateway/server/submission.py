@@ -37,6 +37,9 @@ class Submission:
     # Started in this process by SUBMIT (its end cannot come before this call watches for it;
     # a queued one can be taken and ended by another process while the call still waits).
     started_here: bool = False
+    # Each request's prompt tokens as the accept stage counted them (None: not counted here,
+    # as for a replay, whose requests were counted by the call that made them).
+    prompt_tokens: list[int | None] | None = None
 
     @property
     def request_id(self) -> str:

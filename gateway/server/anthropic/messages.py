@@ -291,14 +291,15 @@ async def create_message(body: MessagesRequest, request: Request, who: Annotated
     natives = [n.model_copy(update={"metadata": {**n.metadata, "api": API_LABEL}}) for n in natives]
     if body.stream:  # a stream past the tenant's share of followers: refused before anything is queued
         svc.events.admissible(who.tenant)
-    request_ids = await common.start(svc, who, request, natives)
-    request_id = request_ids[0]
+    submission = await common.submit(svc, who, request, natives)
+    request_id = submission.request_id
     headers = {"x-request-id": request_id, "request-id": request_id}
     tpb = common.tokens_per_block(svc, body.model)
     plan = chat.chat_plan(asked, common.tool_format(svc, body.model))
     if body.stream:
         stream = MessageStream(request_id, body.model, plan, tpb)
-        return EventStream(stream.events(svc, who.scope), ping=svc.settings.sse_ping_s, headers=headers)
+        counted = submission.prompt_tokens[0] if submission.prompt_tokens else None
+        return EventStream(stream.events(svc, who.scope, counted), ping=svc.settings.sse_ping_s, headers=headers)
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
     record = await common.wait_record(svc, who, request_id, timeout)
     common.raise_for_record(record)
@@ -334,7 +335,8 @@ async def count_tokens(
 
 
 async def prompt_tokens(svc: Services, request_id: str, scope: str | None) -> int:
-    """The prompt's tokens as the accept stage counted them: in the request's payload
+    """The prompt's tokens as the accept stage of the call that made it counted them (a
+    replay's): in the request's payload
     while it waits or runs, in its record's usage once it ended (FINISH empties the payload;
     an idempotent replay may name a request long ended)."""
     job = await svc.results.job(request_id, scope)
@@ -438,9 +440,13 @@ class MessageStream:
         events.append(_event("message_stop", {}))
         return events
 
-    async def events(self, svc: Services, scope: str | None) -> AsyncIterator[ServerSentEvent]:
+    async def events(
+        self, svc: Services, scope: str | None, counted: int | None = None
+    ) -> AsyncIterator[ServerSentEvent]:
+        """The stream; `counted`: the prompt's tokens as this call's accept stage counted them
+        (else they are read back: an idempotent replay's)."""
         usage = {
-            "input_tokens": await prompt_tokens(svc, self.request_id, scope),
+            "input_tokens": counted if counted is not None else await prompt_tokens(svc, self.request_id, scope),
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0,
             "output_tokens": 0,

@@ -26,6 +26,7 @@ from gateway.server.models.llm_engine import EngineLlmAdapter
 from gateway.server.openai.schemas import TEXT_PARTS, Message, unsupported
 from gateway.server.results.events import StreamEvent
 from gateway.server.services import Services
+from gateway.server.submission import Submission
 
 # A /v1 call may name a webhook for its terminal event (the native API takes it in the body).
 WEBHOOK_HEADER = "X-Webhook-Url"
@@ -188,6 +189,13 @@ async def start(
 ) -> list[str]:
     """Queue the ordinary requests behind one call (all or none); their ids. With an
     Idempotency-Key the same call again answers with the first call's requests."""
+    return (await submit(svc, who, request, bodies, flex=flex)).request_ids
+
+
+async def submit(
+    svc: Services, who: Caller, request: Request, bodies: list[InferRequest], *, flex: bool = False
+) -> Submission:
+    """start(), with what the accept stage knows of the requests (their prompt tokens)."""
     hook = webhook(request)
     if hook is not None:
         bodies = [b if b.webhook is not None else b.model_copy(update={"webhook": hook}) for b in bodies]
@@ -195,7 +203,7 @@ async def start(
     keys = [key] if key is not None and len(bodies) == 1 else None
     if key is not None and len(bodies) > 1:
         keys = [f"{key}:{n}" for n in range(len(bodies))]
-    return (await svc.submitter.submit_many(who, bodies, idempotency_keys=keys, flex=flex)).request_ids
+    return await svc.submitter.submit_many(who, bodies, idempotency_keys=keys, flex=flex)
 
 
 async def wait_record(svc: Services, who: Caller, request_id: str, timeout_s: float) -> ResultRecord:
