@@ -1,4 +1,4 @@
-"""The seeds of n choices (gateway/server/openai/chat.py's `seeds`), pure logic: the call's
+"""The seeds of n choices (gateway/server/openai/chat/requests.py's `seeds`), pure logic: the call's
 seed + i, so n choices are n distinct draws and the same call repeats them."""
 
 from __future__ import annotations
