@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from gateway.protocol import new_request_id
 from gateway.protocol.records import replica_name
 from gateway.protocol.redis_keys import Shard
+from gateway.server import spine
 from gateway.server.queue.jobs import Admission, JobStore, NewRequest
 from gateway.stack.process import free_port
 from gateway.stack.services import redis_spec
@@ -302,7 +303,7 @@ async def test_a_submit_replayed_by_a_client_retry_queues_once_and_counts_once(j
 async def test_cancelling_a_request_whose_state_expired_creates_nothing(jobs) -> None:
     store, client = jobs
     request_id = new_request_id()
-    assert await store.cancel(request_id) is None
+    assert await spine.cancel(store, request_id) is None
     assert await client.exists(SHARD.request(request_id)) == 0
 
 

@@ -79,9 +79,7 @@ def test_only_the_spine_changes_a_requests_state() -> None:
     assert callers == []
 
 
-# The one stage whose whole composition still lives in JobStore (CANCEL, then FINISH from
-# queued): the API routes' and /v1's way to cancel until it moves into the spine.
-FORWARDS_ALLOWED = {"cancel"}
+FORWARDS_ALLOWED: set[str] = set()
 
 
 def test_no_spine_function_only_forwards_to_the_job_store() -> None:

@@ -554,7 +554,7 @@ async def test_nothing_per_tenant_is_left_when_the_work_is_done(store: JobStore)
     await queue(store, "a", 3, admission=limited)
     await queue(store, "b", 2, band="batch")
     _, (cancelled,) = await queue(store, "c", 1)
-    await store.cancel(cancelled)
+    await spine.cancel(store, cancelled)
     while True:
         jobs = await take_all(store)
         if not jobs:

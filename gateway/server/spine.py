@@ -469,8 +469,18 @@ def ended(parts: Carrier, record: ResultRecord) -> None:
 async def cancel(jobs: JobStore, request_id: str) -> State | None:
     """CANCEL: a queued request ends now (FINISH from queued); a running one is asked to
     stop (its dispatcher sees the flag, by pub/sub at once or by its lease keeper). The
-    state after the call, None if unknown. (The composition lives in JobStore.cancel.)"""
-    return await jobs.cancel(request_id)
+    state after the call, None if unknown."""
+    state = await jobs.cancel(request_id)
+    if state == "missing":
+        return None
+    if state != State.QUEUED.value:
+        return State(state)
+    job = await jobs.load(request_id)
+    canceled = job.record(State.CANCELED) if job is not None and job.state == State.QUEUED else None
+    if canceled is not None and isinstance(await jobs.finish(canceled, allowed=(State.QUEUED,)), str):
+        return State.CANCELED
+    job = await jobs.load(request_id)  # it started meanwhile: its dispatcher sees the flag
+    return job.state if job else None
 
 
 async def hand_over(jobs: JobStore, consumer: str, runs: list[tuple[str, str]]) -> None:
@@ -502,7 +512,7 @@ async def sweep(jobs: JobStore, shard: Shard, *, grace_s: float, most: int = SWE
             log.info("%d running requests of %s lost their dispatcher; they start again", reclaimed, shard.prefix)
     now = time.time()
     try:
-        due = await jobs.redis.zrangebyscore(shard.deadlines, "-inf", now, start=0, num=most)
+        due = await jobs.overdue(shard, now, most)
         if not due:
             return
         found = await jobs.load_many(due)
@@ -522,7 +532,7 @@ async def sweep(jobs: JobStore, shard: Shard, *, grace_s: float, most: int = SWE
     ]
     outcomes = await asyncio.gather(
         *(expire(jobs, job) for job in overdue),
-        *([jobs.redis.zrem(shard.deadlines, *gone)] if gone else []),
+        jobs.forget_deadlines(shard, gone),
         return_exceptions=True,
     )
     for outcome in outcomes:

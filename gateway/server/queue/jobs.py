@@ -445,22 +445,21 @@ class JobStore:
                 self.unreplicated_finishes,
             )
 
-    async def cancel(self, request_id: str) -> State | None:
-        """Cancel: a queued request ends now; a running one is asked to stop (the flag is
-        in its hash, which its dispatcher checks; the pub/sub message is the fast path).
-        Returns the state after the call, None if unknown."""
+    async def cancel(self, request_id: str) -> str:
+        """CANCEL: the cancel flag set in the request's hash (its dispatcher checks it; the
+        pub/sub message is the fast path); the state the script found it in, "missing" for an
+        unknown request. A queued one is ended by the spine (spine.cancel)."""
         call = scripts.Cancel(shard_of(request_id), request_id, CANCEL_CHANNEL)
-        state = await self._cancel(keys=call.keys(), args=call.args())
-        if state == "missing":
-            return None
-        if state == State.QUEUED.value:
-            job = await self.load(request_id)
-            canceled = job.record(State.CANCELED) if job is not None and job.state == State.QUEUED else None
-            if canceled is not None and isinstance(await self.finish(canceled, allowed=(State.QUEUED,)), str):
-                return State.CANCELED
-            job = await self.load(request_id)  # it started meanwhile: its dispatcher sees the flag
-            return job.state if job else None
-        return State(state)
+        return str(await self._cancel(keys=call.keys(), args=call.args()))
+
+    async def overdue(self, shard: Shard, now: float, most: int) -> list[str]:
+        """The shard's requests whose deadline passed by `now`, at most `most`, soonest first."""
+        return list(await self.redis.zrangebyscore(shard.deadlines, "-inf", now, start=0, num=most))
+
+    async def forget_deadlines(self, shard: Shard, request_ids: list[str]) -> None:
+        """Drop from the shard's deadlines those of requests that ended (FINISH leaves them)."""
+        if request_ids:
+            await self.redis.zrem(shard.deadlines, *request_ids)
 
     async def waiting(self, shard: Shard, models: list[str]) -> tuple[int, list[str]]:
         """(requests queued in the shard, the models with work waiting there): queued ones by
