@@ -1,10 +1,14 @@
-"""OpenAI's list paging (limit, after, order -> first_id, last_id, has_more), written once
-for the lists of items: a conversation's items and a response's input items."""
+"""OpenAI's list paging (limit, after, order -> first_id, last_id, has_more), written once:
+the list object of every /v1 list (files, batches, a conversation's items, a response's
+input items), and the paging parameters and pages of the lists of items."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import Query
 
 from gateway.server.api.errors import ApiError
 
@@ -19,6 +23,25 @@ def listing(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         "last_id": data[-1]["id"] if data else None,
         "has_more": has_more,
     }
+
+
+@dataclass(frozen=True)
+class ItemsPage:
+    """Which page of a list of items a call asks for."""
+
+    after: str | None
+    limit: int
+    descending: bool
+
+
+def items_page(
+    after: Annotated[str | None, Query(max_length=256)] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> ItemsPage:
+    """The paging parameters of a list of items (a route's dependency): newest first
+    unless order=asc, 20 at a time unless told."""
+    return ItemsPage(after=after, limit=limit, descending=order == "desc")
 
 
 def following(items: list[dict[str, Any]], after: str) -> list[dict[str, Any]] | None:

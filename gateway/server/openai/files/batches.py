@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai.files.batch_store import QUOTA_RETRY_AFTER_S, WINDOWS
+from gateway.server.openai.paging import listing
 from gateway.server.openai.schemas import BATCH_ENDPOINTS, BatchRequest, refuse_unsupported
 from gateway.server.services import Services, services
 
@@ -103,14 +104,7 @@ async def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict[str, Any]:
     documents = await services(request).batches.list(who.tenant, limit + 1, after)
-    data = [batch_object(d) for d in documents[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(documents) > limit,
-    }
+    return listing([batch_object(d) for d in documents[:limit]], len(documents) > limit)
 
 
 @router.post("/batches/{batch_id}/cancel", summary="Cancel a batch (OpenAI)")

@@ -32,6 +32,7 @@ from gateway.server.openai.files.store import (
     UPLOAD_PURPOSES,
     FileStore,
 )
+from gateway.server.openai.paging import listing
 from gateway.server.services import Services, services
 
 log = logging.getLogger(__name__)
@@ -143,13 +144,7 @@ async def list_files(
     after: str | None = None,
 ) -> dict[str, Any]:
     data = await files_of(request).list(who.tenant, purpose, limit + 1, after)
-    return {
-        "object": "list",
-        "data": data[:limit],
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[:limit][-1]["id"] if data else None,
-        "has_more": len(data) > limit,
-    }
+    return listing(data[:limit], len(data) > limit)
 
 
 @router.get("/files/{file_id}", summary="One file (OpenAI)")

@@ -21,15 +21,15 @@ they need (by position, by item id), never the whole conversation."""
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.openai.paging import listing
+from gateway.server.openai.paging import ItemsPage, items_page, listing
 from gateway.server.openai.responses.chains import conversation_of, conversation_page, entry_of
 from gateway.server.openai.responses.items import check_include, items_of, with_ids
 from gateway.server.openai.responses.store import ConversationStore, item_entry
@@ -126,15 +126,15 @@ async def list_items(
     conversation: str,
     request: Request,
     who: Annotated[Caller, Depends(caller)],
-    after: Annotated[str | None, Query(max_length=256)] = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Literal["asc", "desc"] = "desc",
+    page: Annotated[ItemsPage, Depends(items_page)],
 ) -> Any:
     svc = services(request)
     check_include(request)
     await conversation_of(svc, who, conversation)
-    page, more = await conversation_page(svc, who, conversation, limit=limit, after=after, descending=order == "desc")
-    return JSONResponse(listing(page, more))
+    items, more = await conversation_page(
+        svc, who, conversation, limit=page.limit, after=page.after, descending=page.descending
+    )
+    return JSONResponse(listing(items, more))
 
 
 Found = tuple[dict[str, Any], dict[str, Any]]  # (its entry, the item)

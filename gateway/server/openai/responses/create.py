@@ -5,7 +5,7 @@ what they do)."""
 
 import json
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
@@ -16,7 +16,7 @@ from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai import common
-from gateway.server.openai.paging import page_after
+from gateway.server.openai.paging import ItemsPage, items_page, page_after
 from gateway.server.openai.responses.call import keep, response_call
 from gateway.server.openai.responses.chains import (
     chain_items,
@@ -122,9 +122,7 @@ async def list_input_items(
     response: str,
     request: Request,
     who: Annotated[Caller, Depends(caller)],
-    after: Annotated[str | None, Query(max_length=256)] = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Literal["asc", "desc"] = "desc",
+    page: Annotated[ItemsPage, Depends(items_page)],
 ) -> Any:
     svc = services(request)
     check_include(request)
@@ -140,7 +138,9 @@ async def list_input_items(
     def missing(item: str) -> ApiError:
         return invalid("after", f"no item {item} in the input items of {response}")
 
-    return JSONResponse(page_after(items, limit=limit, after=after, descending=order == "desc", missing=missing))
+    return JSONResponse(
+        page_after(items, limit=page.limit, after=page.after, descending=page.descending, missing=missing)
+    )
 
 
 @router.delete("/responses/{response}", summary="Delete a stored response")
