@@ -111,26 +111,21 @@ class Quotas:
                 "tokens per minute: it can never be admitted; shorten it, or ask for a higher limit",
             )
         headers: dict[str, str] = {}
-        if limits.requests_per_minute:
-            item = RateLimitItemPerMinute(limits.requests_per_minute)
-            allowed, stats = await self._hit(item, "rpm", config.tenant, 1)
+        windows = (  # (the limit, its counter, what it counts, this call's cost, the refusal's code)
+            (limits.requests_per_minute, "rpm", "requests", 1, "rate_limited"),
+            (limits.tokens_per_minute, "tpm", "tokens", max(1, prompt_tokens), "token_rate_limited"),
+        )
+        for limit, kind, unit, cost, code in windows:
+            if not limit:
+                continue
+            allowed, stats = await self._hit(RateLimitItemPerMinute(limit), kind, config.tenant, cost)
             headers |= {
-                "x-ratelimit-limit-requests": str(limits.requests_per_minute),
-                "x-ratelimit-remaining-requests": str(max(0, stats.remaining)),
-                "x-ratelimit-reset-requests": _reset(stats.reset_time),
+                f"x-ratelimit-limit-{unit}": str(limit),
+                f"x-ratelimit-remaining-{unit}": str(max(0, stats.remaining)),
+                f"x-ratelimit-reset-{unit}": _reset(stats.reset_time),
             }
             if not allowed:
-                raise self._refusal("rate_limited", "requests per minute", stats.reset_time, headers)
-        if limits.tokens_per_minute:
-            item = RateLimitItemPerMinute(limits.tokens_per_minute)
-            allowed, stats = await self._hit(item, "tpm", config.tenant, max(1, prompt_tokens))
-            headers |= {
-                "x-ratelimit-limit-tokens": str(limits.tokens_per_minute),
-                "x-ratelimit-remaining-tokens": str(max(0, stats.remaining)),
-                "x-ratelimit-reset-tokens": _reset(stats.reset_time),
-            }
-            if not allowed:
-                raise self._refusal("token_rate_limited", "tokens per minute", stats.reset_time, headers)
+                raise self._refusal(code, f"{unit} per minute", stats.reset_time, headers)
         return headers
 
     async def _hit(self, item: RateLimitItem, kind: str, tenant: str, cost: int) -> tuple[bool, WindowStats]:
