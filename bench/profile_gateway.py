@@ -3,7 +3,10 @@ gateway process with py-spy during the `sync` slice, and prints where its CPU go
 package (each sample counted once, for the innermost frame of a known package). With
 --relay STREAMS it runs the relay section instead (that many concurrent token streams of
 `llm_synthetic`) and records the gateway while it relays (py-spy samples only busy
-threads, so the direct phase, when the gateway idles, adds little).
+threads, so the direct phase, when the gateway idles, adds little). With --ttft ROUNDS it
+runs the TTFT section at 32 concurrent starts for that many rounds (each a burst of 32 SSE
+streams and one of 32 `/v1` streams, besides direct's) and records the gateway throughout:
+with --functions, µs a stream start (its whole one-token stream: start, token, finish).
 
 With --functions N it also prints the N functions of the gateway's own code (and the
 library calls it makes) with the most samples beneath them (inclusive), in µs of CPU per
@@ -13,6 +16,7 @@ recorded before instead of running.
 Run:  .venv/bin/python -m bench.profile_gateway --rate 200 --seconds 12
       .venv/bin/python -m bench.profile_gateway --many 64 --seconds 20 --functions 40
       .venv/bin/python -m bench.profile_gateway --relay 200 --seconds 40
+      .venv/bin/python -m bench.profile_gateway --ttft 10 --functions 40
       .venv/bin/python -m bench.profile_gateway --rate 250 --seconds 12 --summarize /tmp/raw.txt --functions 40
 Needs py-spy (`.venv/bin/pip install py-spy`); raw stacks are kept in --raw.
 """
@@ -36,6 +40,7 @@ PACKAGES = [
 ]  # fmt: skip
 WARM_UP_S = 6.0  # the benchmark warms every path for 2 s first
 SAMPLE_RATE = 200  # py-spy samples a second
+TTFT_BURST = 32  # concurrent stream starts a round of --ttft
 # The process's entry (function, file), not a request's work.
 ENTRY = {("<module>", "gateway/cli.py"), ("main", "gateway/cli.py"), ("serve", "gateway/cli.py")}
 ENTRY.add(("serve", "gateway/server/serve.py"))
@@ -105,6 +110,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=12, help="how long to record (the slice is 2 s longer)")
     parser.add_argument("--relay", type=int, default=0, help="profile the relay of this many streams instead")
     parser.add_argument("--many", type=int, default=0, help="profile clip_text embeddings calls of this many inputs")
+    parser.add_argument("--ttft", type=int, default=0, help="profile this many rounds of 32 concurrent stream starts")
     parser.add_argument("--raw", type=Path, default=Path("/tmp/gateway-profile.txt"))
     parser.add_argument("--functions", type=int, default=0, help="also the top N functions, per request")
     parser.add_argument("--summarize", type=Path, help="a raw file recorded before: only summarize it")
@@ -125,7 +131,11 @@ def main() -> None:
     if args.many:
         command = [sys.executable, "-m", "bench.gateway_bench", "--sections", "many", "--many-model", "clip_text"]
         command += ["--many-inputs", str(args.many), "--slice", f"{slice_s:g}", "--rounds", "1"]
-    whole = bool(args.relay or args.many)  # recorded from the start: the gateway idles in the direct phase
+    if args.ttft:
+        command = [sys.executable, "-m", "bench.gateway_bench", "--model", "llm_synthetic", "--sections", "ttft"]
+        command += ["--ttft-streams", str(TTFT_BURST), "--ttft-samples", str(TTFT_BURST * args.ttft)]
+        args.seconds = max(args.seconds, 600)  # until the bench ends (py-spy stops with the gateway)
+    whole = bool(args.relay or args.many or args.ttft)  # recorded from the start: the gateway idles in the direct phase
     with log.open("w") as err:
         bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
         try:
@@ -149,6 +159,10 @@ def main() -> None:
     if args.functions and args.many:
         print(f"\n(per {args.many}-input call: divide by the calls the bench made in the slice)")
         print(inclusive(args.raw, 1, args.functions, args.sample_rate))
+    elif args.functions and args.ttft:
+        starts = 2 * TTFT_BURST * args.ttft
+        print(f"\n(per stream start: {starts} starts, SSE and /v1 alike)")
+        print(inclusive(args.raw, starts, args.functions, args.sample_rate))
     elif args.functions and not args.relay:
         print("\n" + inclusive(args.raw, args.rate * args.seconds, args.functions, args.sample_rate))
 
