@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from gateway.protocol import State, new_request_id
 from gateway.protocol.redis_keys import Shard
 from gateway.server.queue.jobs import Admission, Job, JobStore, NewRequest, TokenEvent
-from gateway.server.results.events import COUNT, EventHub
+from gateway.server.results.events import COUNT, NAMED_MOST, EventHub
 from tests.conftest import lone_redis
 
 SHARD = Shard(0)
@@ -283,6 +283,30 @@ async def test_a_burst_of_followers_interrupts_the_blocked_reader_once(
     for follower in followers:
         assert await follower.has(1) == ["queued"]
     assert len(unblocked) - before == 1
+
+
+async def test_a_burst_of_32_stream_starts_is_read_by_naming_its_streams(
+    store: JobStore, hubs: Any, redis_url: str
+) -> None:
+    """The hub as the gateway makes it keeps a burst of 32 followers of a shard on named
+    reads: no FOLLOW for any of them (by notices each would cost one before its stream is
+    read, and each of its events a second read), all in the reads that name them."""
+    log = ReadLog(redis_url)
+    hub = hubs(named_most=NAMED_MOST, log=log)
+    marks: list[str] = []
+    follow = hub.mark_followed
+
+    async def counted(request_id: str, notice: bool = False) -> bool:
+        marks.append(request_id)
+        return await follow(request_id, notice)
+
+    hub.mark_followed = counted
+    ids = await submitted(store, 32)
+    followers = [Follower(hub, rid) for rid in ids]
+    for follower in followers:
+        assert await follower.has(1) == ["queued"]
+    assert marks == []
+    assert SHARD.notices not in set().union(*log.reads)
 
 
 async def test_switching_to_notices_marks_again_only_the_requests_not_marked_yet(store: JobStore, hubs: Any) -> None:

@@ -52,8 +52,12 @@ BLOCK_MS = 1000
 # Entries read from a stream in one call (more wait for the next).
 COUNT = 512
 # Up to this many followed streams in a shard, one blocking XREAD names them all; past it,
-# the reader waits on the shard's notices (the module docstring).
-NAMED_MOST = 16
+# the reader waits on the shard's notices (the module docstring). A burst of 32 stream starts
+# stays named: by notices each of its followers costs a FOLLOW before its stream is read and
+# each event a second read (a burst settled in 5-6 ms, not 2-3; 3.5-4.6 Redis commands a
+# follower, not 0.2), while named reads of 32 streams cost an event what notices do
+# (bench.event_hub --streams 32,64 --ways "named,by notices": at 64 named costs ~10 µs more).
+NAMED_MOST = 32
 # Reading by notices, every followed stream is read this often all the same.
 FULL_READ_EVERY_S = 2.0
 # A followed stream is checked for existence this often (it may have expired).
