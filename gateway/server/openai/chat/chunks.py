@@ -14,7 +14,7 @@ from gateway.protocol import ResultRecord, State
 from gateway.server.api.sse import FrameTemplate, json_value
 from gateway.server.llm import tools as toolcalls
 from gateway.server.openai import common
-from gateway.server.openai.chat.objects import completion_logprobs
+from gateway.server.openai.chat.objects import completion_logprobs, head
 from gateway.server.openai.chat.plan import ChatPlan, chat_plan, read_calls, tool_call
 from gateway.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.server.services import Services
@@ -64,14 +64,8 @@ class ChunkStream:
         self.held = [""] * len(request_ids)  # a forced call's text, parsed at the end
         self.calls = [0] * len(request_ids)  # tool calls sent per choice
         self.offsets = [0] * len(request_ids)  # text sent per choice (completions' text_offset)
-        self.base = {
-            "id": f"{'chatcmpl' if self.chat else 'cmpl'}-{request_ids[0]}",
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": common.created(),
-            "model": body.model,
-            "system_fingerprint": None,
-            "service_tier": common.tier(body.service_tier).name,
-        }
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        self.base = head(kind, request_ids[0], common.created(), body.model, common.tier(body.service_tier))
         self.templates: dict[int, FrameTemplate] = {}  # a choice's text delta (_text_frame)
         self.pads = Pads()
 

@@ -12,6 +12,19 @@ from gateway.server.openai.chat.plan import chat_plan, read_calls, tool_call
 from gateway.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 
+def head(kind: str, request_id: str, created: int, model: str, tier: common.Tier) -> dict[str, Any]:
+    """The fields a completion object, or a streamed chunk, begins with (`kind` is its
+    `object`); its id names the first request behind it."""
+    return {
+        "id": f"{'chatcmpl' if kind.startswith('chat.') else 'cmpl'}-{request_id}",
+        "object": kind,
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "service_tier": tier.name,
+    }
+
+
 def chat_completion(
     records: list[ResultRecord],
     body: ChatCompletionRequest,
@@ -31,16 +44,8 @@ def chat_completion(
         logprobs = {"content": common.logprobs_of(record), "refusal": None} if plan.logprobs else None
         choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs})
     first = records[0]
-    return {
-        "id": f"chatcmpl-{first.request_id}",
-        "object": "chat.completion",
-        "created": common.created(first),
-        "model": body.model,
-        "system_fingerprint": None,
-        "service_tier": plan.tier.name,
-        "choices": choices,
-        "usage": common.usage(records, tpb),
-    }
+    opening = head("chat.completion", first.request_id, common.created(first), body.model, plan.tier)
+    return {**opening, "choices": choices, "usage": common.usage(records, tpb)}
 
 
 def completion_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
@@ -67,13 +72,7 @@ def text_completion(records: list[ResultRecord], body: CompletionRequest, tpb: i
             {"index": index, "text": text, "finish_reason": common.finish_reason(record), "logprobs": logprobs}
         )
     first = records[0]
-    return {
-        "id": f"cmpl-{first.request_id}",
-        "object": "text_completion",
-        "created": common.created(first),
-        "model": body.model,
-        "system_fingerprint": None,
-        "service_tier": common.tier(body.service_tier).name,
-        "choices": choices,
-        "usage": common.usage(records, tpb),
-    }
+    opening = head(
+        "text_completion", first.request_id, common.created(first), body.model, common.tier(body.service_tier)
+    )
+    return {**opening, "choices": choices, "usage": common.usage(records, tpb)}
