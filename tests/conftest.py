@@ -23,6 +23,7 @@ import tritonclient.grpc.aio as triton_aio
 from pymongo import AsyncMongoClient
 
 from gateway.protocol.webhook_secrets import tenant_secret
+from gateway.server.queue.jobs import JobStore
 from gateway.stack import services
 from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes, remove_shm, shm_regions
 from gateway.stack.process import ManagedProcess, free_port, stop_processes
@@ -213,6 +214,23 @@ def lone_redis(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[
     while the block runs, then stopped by its pid."""
     with services.lone_redis(tmp_path_factory.mktemp(name), name) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def redis_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of the test module's own (tests of the script layer), by its URL."""
+    name = request.module.__name__.rpartition(".")[2].removeprefix("test_").replace("_", "-")
+    with lone_redis(tmp_path_factory, f"{name}-redis") as url:
+        yield url
+
+
+@pytest.fixture
+async def store(redis_server: str) -> AsyncIterator[JobStore]:
+    """A JobStore on the module's redis-server, emptied before each test."""
+    client = aioredis.from_url(redis_server, decode_responses=True)
+    await client.flushdb()
+    yield JobStore(client, idempotency_ttl_s=60, lease_ms=10_000)
+    await client.aclose()
 
 
 def kill_by_pid(process: ManagedProcess) -> None:

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
-import redis.asyncio as aioredis
 
 from gateway.protocol import new_request_id
 from gateway.protocol.redis_keys import Shard
@@ -17,24 +13,9 @@ from gateway.server.queue.jobs import Admission, JobStore, NewRequest, inputs_de
 from gateway.server.settings import GatewaySettings
 from gateway.server.submission import admission
 from gateway.server.tenants.caller import Caller
-from tests.conftest import lone_redis
 
 SHARD = Shard(0)
 KB = 1024
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with lone_redis(tmp_path_factory, "byte-admission-redis") as url:
-        yield url
-
-
-@pytest.fixture
-async def store(redis_server: str) -> AsyncIterator[JobStore]:
-    client = aioredis.from_url(redis_server, decode_responses=True)
-    await client.flushdb()
-    yield JobStore(client, idempotency_ttl_s=60, lease_ms=10_000)
-    await client.aclose()
 
 
 def sized(nbytes: int) -> NewRequest:

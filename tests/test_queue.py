@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
@@ -24,24 +24,9 @@ from gateway.server.dispatch.leases import LeaseKeeper
 from gateway.server.dispatch.scheduler import Headroom
 from gateway.server.queue import jobs, scripts
 from gateway.server.queue.jobs import TAKE_TOKEN_TTL_S, Admission, Job, JobStore, NewRequest
-from tests.conftest import lone_redis
 
 SHARD = Shard(0)
 OPEN = Admission(max_backlog=10_000, max_batch_backlog=10_000, max_bytes=10**9, reserve=4)
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with lone_redis(tmp_path_factory, "queue-redis") as url:
-        yield url
-
-
-@pytest.fixture
-async def store(redis_server: str) -> AsyncIterator[JobStore]:
-    client = aioredis.from_url(redis_server, decode_responses=True)
-    await client.flushdb()
-    yield JobStore(client, idempotency_ttl_s=60, lease_ms=10_000)
-    await client.aclose()
 
 
 async def queue(

@@ -7,36 +7,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
-import redis.asyncio as aioredis
 
 from gateway.protocol import State, new_request_id
 from gateway.protocol.redis_keys import Shard
 from gateway.server.queue import scripts
 from gateway.server.queue.jobs import Admission, Job, JobStore, NewRequest, TokenEvent
 from gateway.server.queue.scripts.keys import number_text, script_json
-from tests.conftest import lone_redis
 
 SHARD = Shard(0)
 OPEN = Admission(max_backlog=10_000, max_batch_backlog=10_000, max_bytes=10**9, reserve=4)
 # Quotes, a backslash, control characters, CJK, an emoji, a lone JSON escape's look-alike.
 AWKWARD = 'a "quote" \\ back\nslash\t\u0001 猫 🐈 \\u0041 </script>'
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with lone_redis(tmp_path_factory, "script-calls-redis") as url:
-        yield url
-
-
-@pytest.fixture
-async def store(redis_server: str) -> AsyncIterator[JobStore]:
-    client = aioredis.from_url(redis_server, decode_responses=True)
-    await client.flushdb()
-    yield JobStore(client, idempotency_ttl_s=60, lease_ms=10_000)
-    await client.aclose()
 
 
 async def _started(store: JobStore, created_at: float) -> Job:
