@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import tritonclient.grpc.aio as triton_aio
@@ -44,6 +45,18 @@ async def trace_openai(client: AsyncOpenAI, max_tokens: int) -> StreamTrace:
             trace.arrivals.append(time.perf_counter())
             trace.tokens += 1
     return trace
+
+
+async def _burst(
+    http: Gateways, start: Callable[[dict[str, Any]], Awaitable[StreamTrace]], inputs: dict[str, Any], count: int
+) -> tuple[float, list[float], list[Any]]:
+    """`count` streams started at once: the gateway's CPU meanwhile, the TTFTs of those that
+    streamed, and the others (their exception or token-less trace)."""
+    before = http.cpu_seconds()
+    traces = await asyncio.gather(*(start(inputs) for _ in range(count)), return_exceptions=True)
+    spent = http.cpu_seconds() - before
+    streamed = [t for t in traces if isinstance(t, StreamTrace) and t.arrivals]
+    return spent, [t.ttft for t in streamed], [t for t in traces if not any(t is s for s in streamed)]
 
 
 async def main() -> None:
@@ -95,16 +108,12 @@ async def main() -> None:
         errs = {k: 0 for k in starts}
         for _ in range(rounds):
             for key, start in starts.items():
-                c0 = http.cpu_seconds()
-                traces = await asyncio.gather(*(start(STREAM_INPUTS) for _ in range(n)), return_exceptions=True)
-                cpu[key] += http.cpu_seconds() - c0
-                for t in traces:
-                    if isinstance(t, StreamTrace) and t.arrivals:
-                        ttft[key].append(t.ttft)
-                    else:
-                        errs[key] += 1
-                        if errs[key] <= 2:
-                            print(f"<!-- {key}: {t!r:.300} -->")
+                spent, ttfts, failed = await _burst(http, start, STREAM_INPUTS, n)
+                cpu[key] += spent
+                ttft[key] += ttfts
+                for t in failed[: max(0, 2 - errs[key])]:
+                    print(f"<!-- {key}: {t!r:.300} -->")
+                errs[key] += len(failed)
         base50 = statistics.median(ttft["direct gRPC stream_infer"]) * 1000
         base90 = pct(ttft["direct gRPC stream_infer"], 90)
         for key, values in ttft.items():
@@ -135,14 +144,10 @@ async def main() -> None:
     errs = {k: 0 for k in starts}
     for _ in range(a.start_bursts):
         for key, start in starts.items():
-            c0 = http.cpu_seconds()
-            traces = await asyncio.gather(*(start(one) for _ in range(32)), return_exceptions=True)
-            cpu[key] += http.cpu_seconds() - c0
-            for t in traces:
-                if isinstance(t, StreamTrace) and t.arrivals:
-                    ttft[key].append(t.ttft)
-                else:
-                    errs[key] += 1
+            spent, ttfts, failed = await _burst(http, start, one, 32)
+            cpu[key] += spent
+            ttft[key] += ttfts
+            errs[key] += len(failed)
     for key in starts:
         gw = key != "direct gRPC stream_infer"
         m = statistics.median(ttft[key]) * 1000 if ttft[key] else float("nan")
