@@ -256,6 +256,33 @@ async def test_a_hub_that_passes_named_most_streams_goes_on_by_notices_losing_no
     assert {SHARD.notices} in log.reads
 
 
+async def test_a_stream_that_ended_does_not_hold_another_streams_token_while_its_record_is_read(
+    store: JobStore, hubs: Any
+) -> None:
+    """One read returns an ended stream (its terminal event names its record, read from the
+    results stream) and another stream's token: the token goes out without waiting for that
+    record."""
+    hub = hubs(named_most=100)
+    ended, streaming = await submitted(store, 2)
+    jobs = await taken(store, 2)
+    await store.emit(streaming, jobs[streaming].run, 0, "a", 1, [])
+    await store.emit(ended, jobs[ended].run, 0, "a", 1, [])
+    await store.finish(jobs[ended].record(State.SUCCEEDED), run=jobs[ended].run)
+    record_read = asyncio.Event()
+    read = hub.records
+
+    async def held(request_id: str, entry: str) -> str:
+        await record_read.wait()
+        return await read(request_id, entry)
+
+    hub.records = held
+    first, second = Follower(hub, ended), Follower(hub, streaming)  # together: one read names both
+    assert await second.has(3) == ["queued", "running", "token"]
+    assert first.kinds == []  # (its events wait for its record)
+    record_read.set()
+    assert await first.has(4) == ["queued", "running", "token", "completed"]
+
+
 def counted_unblocks(client: Redis) -> list[int]:
     """The CLIENT UNBLOCKs sent through `client` (the hub's: they interrupt its readers)."""
     unblocked: list[int] = []

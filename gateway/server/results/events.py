@@ -382,21 +382,41 @@ class EventHub:
 
     async def _deliver(self, reader: _ShardReader, reply: Any) -> set[str]:
         """Fan an XREAD's entries out to the streams' followers; the streams it read COUNT
-        entries of (more may wait)."""
+        entries of (more may wait). The streams whose entries name a record (an end) wait
+        for their records, read all at once, after the others are fanned out: another
+        stream's first token never waits behind the records of the streams that ended."""
         full = set()
+        ended = []
         for key, entries in reply or []:
-            events = []
-            for entry_id, fields in entries:
-                piece = (int(fields["i"]), int(fields["n"])) if "i" in fields else None
-                entry = fields.get("record")  # (the record's results entry)
-                parts = _own_events(fields) if entry is None else await self._record_events(key, fields, entry)
-                events.append((entry_id, parts, piece))
-            if key in reader.positions:
-                reader.positions[key] = entries[-1][0]
-            self._fan_out(reader, key, events)
             if len(entries) >= COUNT:
                 full.add(key)
+            if any("record" in fields for _, fields in entries):
+                ended.append((key, entries))
+                continue
+            if key in reader.positions:
+                reader.positions[key] = entries[-1][0]
+            self._fan_out(
+                reader, key, [(entry_id, _own_events(fields), _piece(fields)) for entry_id, fields in entries]
+            )
+        if ended:
+            read = await asyncio.gather(*(self._entries_events(key, entries) for key, entries in ended))
+            for (key, entries), events in zip(ended, read, strict=True):
+                if key in reader.positions:
+                    reader.positions[key] = entries[-1][0]
+                self._fan_out(reader, key, events)
         return full
+
+    async def _entries_events(
+        self, key: str, entries: list[tuple[str, dict[str, str]]]
+    ) -> list[tuple[str, list[tuple[str, str]], tuple[int, int] | None]]:
+        """A stream's entries as (entry id, its (kind, data) events, its token piece), the
+        records they name read."""
+        events = []
+        for entry_id, fields in entries:
+            entry = fields.get("record")  # (the record's results entry)
+            parts = _own_events(fields) if entry is None else await self._record_events(key, fields, entry)
+            events.append((entry_id, parts, _piece(fields)))
+        return events
 
     async def _record_events(self, key: str, fields: dict[str, str], entry: str) -> list[tuple[str, str]]:
         """The (kind, data) of the events of an entry that names the record's results entry:
@@ -449,6 +469,11 @@ def _request_of(events_key: str) -> str:
 
 def _outputs(record: str) -> str:
     return json.dumps(json.loads(record).get("outputs"))
+
+
+def _piece(fields: dict[str, str]) -> tuple[int, int] | None:
+    """A token entry's (index of its first piece, pieces it holds); None for other events."""
+    return (int(fields["i"]), int(fields["n"])) if "i" in fields else None
 
 
 def _own_events(fields: dict[str, str]) -> list[tuple[str, str]]:
