@@ -56,6 +56,8 @@ from gateway.server.models.base import (
     RunError,
     bytes_tensor,
     check,
+    requested_outputs,
+    scalar_tensor,
     tensor,
 )
 from gateway.server.models.inputs import MAX_TEXT_CHARS, EngineParameters, Strict, Word
@@ -197,14 +199,15 @@ class EngineRun(Run):
         continued = [] if self.replay else self.generated
         ids = np.array([p.prompt_ids + continued], dtype=np.int32)
         remaining = max(1, p.max_tokens - len(continued))
+        tokenizer = self.adapter.tokenizer
         items = [
             tensor("input_ids", ids, "INT32"),
-            tensor("input_lengths", np.array([[ids.shape[1]]], dtype=np.int32), "INT32"),
-            tensor("request_output_len", np.array([[remaining]], dtype=np.int32), "INT32"),
-            tensor("end_id", np.array([[self.adapter.tokenizer.end_id]], dtype=np.int32), "INT32"),
-            tensor("pad_id", np.array([[self.adapter.tokenizer.pad_id]], dtype=np.int32), "INT32"),
-            tensor("streaming", np.array([[stream]], dtype=np.bool_), "BOOL"),
-            tensor("exclude_input_in_output", np.array([[True]], dtype=np.bool_), "BOOL"),
+            scalar_tensor("input_lengths", ids.shape[1], np.int32, "INT32"),
+            scalar_tensor("request_output_len", remaining, np.int32, "INT32"),
+            scalar_tensor("end_id", tokenizer.end_id, np.int32, "INT32"),
+            scalar_tensor("pad_id", tokenizer.pad_id, np.int32, "INT32"),
+            scalar_tensor("streaming", stream, np.bool_, "BOOL"),
+            scalar_tensor("exclude_input_in_output", True, np.bool_, "BOOL"),
         ]
         for name, words in (("stop_words_list", p.engine_stop_ids), ("bad_words_list", p.bad_ids)):
             array = word_list(words)
@@ -227,8 +230,10 @@ class EngineRun(Run):
             ),
         )
         for name, value, dtype, datatype in scalars:
-            if value is not None:
+            if value is not None and name == "seed":  # (random unless the caller chose one: never shared)
                 items.append(tensor(name, np.array([[value]], dtype=dtype), datatype))
+            elif value is not None:
+                items.append(scalar_tensor(name, value, dtype, datatype))
         flags = (
             ("return_log_probs", s.logprobs),
             ("return_generation_logits", s.top_logprobs > 0),
@@ -236,7 +241,7 @@ class EngineRun(Run):
         )
         for name, value in flags:
             if value:
-                items.append(tensor(name, np.array([[True]], dtype=np.bool_), "BOOL"))
+                items.append(scalar_tensor(name, True, np.bool_, "BOOL"))
         guided = p.inputs.guided_decoding
         if guided is not None:
             items.append(bytes_tensor("guided_decoding_guide_type", guided.guide_type.encode()))
@@ -250,7 +255,7 @@ class EngineRun(Run):
             names.append("output_log_probs")
         if self.prepared.parameters.top_logprobs:
             names.append("generation_logits")
-        return [InferRequestedOutput(name) for name in names]
+        return requested_outputs(tuple(names))
 
     def take(self, result: InferResult) -> list[Piece]:
         ids = result.as_numpy("output_ids")
