@@ -283,6 +283,58 @@ async def test_a_stream_that_ended_does_not_hold_another_streams_token_while_its
     assert await first.has(4) == ["queued", "running", "token", "completed"]
 
 
+class HeldReads(ReadLog):
+    """As ReadLog, and while `holding`, a read's reply with entries waits for `release`
+    before the hub gets it (`held` says one does): a read in flight, held there."""
+
+    def __init__(self, redis_url: str) -> None:
+        super().__init__(redis_url)
+        self.holding = False
+        self.held, self.release = asyncio.Event(), asyncio.Event()
+
+    async def connect(self, shard: Shard) -> Redis:
+        connection = await super().connect(shard)
+        xread = connection.xread
+
+        async def gated(streams: dict[str, str], *args: Any, **kwargs: Any) -> Any:
+            reply = await xread(streams, *args, **kwargs)
+            if self.holding and reply:
+                self.held.set()
+                await self.release.wait()
+            return reply
+
+        connection.xread = gated  # type: ignore[method-assign]
+        return connection
+
+
+async def test_a_follower_joining_while_a_read_is_in_flight_gets_every_event_in_order(
+    store: JobStore, hubs: Any, redis_url: str
+) -> None:
+    """A second client follows a stream from its start while the reader's read of newer
+    entries is on its way back: it gets the older entries too, first (not the newer ones
+    alone, with those before them lost)."""
+    reads = HeldReads(redis_url)
+    hub = hubs(named_most=NAMED_MOST, log=reads)
+    (rid,) = await submitted(store)
+    first = Follower(hub, rid)
+    assert await first.has(1) == ["queued"]
+    reads.holding = True
+    job = (await taken(store, 1))[rid]
+    await store.emit(rid, job.run, 0, "a", 1, [])
+    async with asyncio.timeout(30):
+        await reads.held.wait()  # the read of `running` and the token is in flight
+    reader = hub._readers[SHARD.index]
+    second = Follower(hub, rid)  # from the start
+    async with asyncio.timeout(30):
+        while reader.positions[SHARD.events(rid)] != "0-0":  # it has set the reader back
+            await asyncio.sleep(0.01)
+    reads.holding = False
+    reads.release.set()
+    assert await second.has(3) == ["queued", "running", "token"]
+    assert await first.has(3) == ["queued", "running", "token"]
+    assert first.kinds == second.kinds == ["queued", "running", "token"]  # each once
+
+
 def counted_unblocks(client: Redis) -> list[int]:
     """The CLIENT UNBLOCKs sent through `client` (the hub's: they interrupt its readers)."""
     unblocked: list[int] = []

@@ -318,9 +318,9 @@ class EventHub:
                 if len(reader.positions) <= self.named_most:
                     reader.notices_after = None
                     reader.fresh.clear()  # (this read names them all)
-                    await self._deliver(
-                        reader, await connection.xread(dict(reader.positions), count=COUNT, block=BLOCK_MS)
-                    )
+                    read_from = dict(reader.positions)
+                    reply = await connection.xread(read_from, count=COUNT, block=BLOCK_MS)
+                    await self._deliver(reader, reply, read_from)
                 else:
                     await self._read_noticed(reader, connection)
                 if loop.time() - last_exists_check > EXISTS_EVERY_S:
@@ -360,12 +360,13 @@ class EventHub:
             async with connection.pipeline(transaction=False) as pipe:
                 # Where the notices end, then every stream: a notice after that end names a
                 # stream written after this read.
+                read_from = dict(reader.positions)
                 pipe.xrevrange(reader.shard.notices, count=1)
-                pipe.xread(dict(reader.positions), count=COUNT)
+                pipe.xread(read_from, count=COUNT)
                 last, reply = await pipe.execute()
             reader.notices_after = last[0][0] if last else "0-0"
             reader.full_read_at = now
-            reader.again = await self._deliver(reader, reply)
+            reader.again = await self._deliver(reader, reply, read_from)
             return
         keys = reader.fresh | reader.again
         reader.fresh, reader.again = set(), set()
@@ -378,33 +379,54 @@ class EventHub:
                 keys.update(reader.shard.events(request_id) for request_id in fields.get("ids", "").split())
         positions = {key: reader.positions[key] for key in keys if key in reader.positions}
         if positions:
-            reader.again |= await self._deliver(reader, await connection.xread(positions, count=COUNT))
+            reader.again |= await self._deliver(reader, await connection.xread(positions, count=COUNT), positions)
 
-    async def _deliver(self, reader: _ShardReader, reply: Any) -> set[str]:
-        """Fan an XREAD's entries out to the streams' followers; the streams it read COUNT
-        entries of (more may wait). The streams whose entries name a record (an end) wait
-        for their records, read all at once, after the others are fanned out: another
-        stream's first token never waits behind the records of the streams that ended."""
-        full = set()
+    async def _deliver(self, reader: _ShardReader, reply: Any, read_from: dict[str, str]) -> set[str]:
+        """Fan an XREAD's entries out to the streams' followers; the streams to read again at
+        once (it read COUNT entries of them: more may wait; or a follower came meanwhile
+        wanting entries from before where it read). The streams whose entries name a record
+        (an end) wait for their records, read all at once, after the others are fanned out:
+        another stream's first token never waits behind the records of the streams that
+        ended."""
+        again = set()
         ended = []
         for key, entries in reply or []:
             if len(entries) >= COUNT:
-                full.add(key)
+                again.add(key)
             if any("record" in fields for _, fields in entries):
                 ended.append((key, entries))
                 continue
-            if key in reader.positions:
-                reader.positions[key] = entries[-1][0]
-            self._fan_out(
-                reader, key, [(entry_id, _own_events(fields), _piece(fields)) for entry_id, fields in entries]
-            )
+            events = [(entry_id, _own_events(fields), _piece(fields)) for entry_id, fields in entries]
+            again |= self._advance(reader, key, read_from.get(key), events)
         if ended:
             read = await asyncio.gather(*(self._entries_events(key, entries) for key, entries in ended))
-            for (key, entries), events in zip(ended, read, strict=True):
-                if key in reader.positions:
-                    reader.positions[key] = entries[-1][0]
-                self._fan_out(reader, key, events)
-        return full
+            for (key, _), events in zip(ended, read, strict=True):
+                again |= self._advance(reader, key, read_from.get(key), events)
+        return again
+
+    def _advance(
+        self,
+        reader: _ShardReader,
+        key: str,
+        read_from: str | None,
+        events: list[tuple[str, list[tuple[str, str]], tuple[int, int] | None]],
+    ) -> set[str]:
+        """Hand a stream's entries, read after `read_from`, to its followers and move its
+        position past them; the stream, if it must be read again at once. A follower that
+        came while the read was in flight, wanting entries from before `read_from` (its
+        position was set back), gets none of these now, or it would miss those between: the
+        position stays where it set it, and the next read gives it all in order (the others
+        skip what they have)."""
+        position = reader.positions.get(key)
+        if position is None or read_from is None or stream_id_order(position) >= stream_id_order(read_from):
+            if position is not None:
+                reader.positions[key] = events[-1][0]
+            self._fan_out(reader, key, events)
+            return set()
+        start = stream_id_order(read_from)
+        caught_up = [f for f in reader.followers.get(key, ()) if stream_id_order(read_after(f.after)) >= start]
+        self._fan_out(reader, key, events, caught_up)
+        return {key}
 
     async def _entries_events(
         self, key: str, entries: list[tuple[str, dict[str, str]]]
@@ -429,9 +451,12 @@ class EventHub:
 
     @staticmethod
     def _fan_out(
-        reader: _ShardReader, key: str, entries: list[tuple[str, list[tuple[str, str]], tuple[int, int] | None]]
+        reader: _ShardReader,
+        key: str,
+        entries: list[tuple[str, list[tuple[str, str]], tuple[int, int] | None]],
+        followers: list[_Follower] | None = None,
     ) -> None:
-        for follower in list(reader.followers.get(key, ())):
+        for follower in list(reader.followers.get(key, ())) if followers is None else followers:
             after = event_order(follower.after)
             for entry_id, events, piece in entries:
                 millis, seq = stream_id_order(entry_id)
