@@ -204,8 +204,8 @@ async def test_the_gateway_logs_the_submit_under_the_x_request_id_and_the_reques
     assert any(line["event"].startswith("POST /infer 202") for line in lines), lines
 
 
-async def test_the_dispatcher_logs_the_run_under_the_x_request_id(traced, traced_request) -> None:
-    wanted = _about(TRACE, traced_request["request_id"], "gateway.server.dispatch")
+async def test_the_run_is_logged_under_the_x_request_id(traced, traced_request) -> None:
+    wanted = _about(TRACE, traced_request["request_id"], "gateway.server.spine")  # (its deliver stage)
     lines = await _logged(traced["gateway_log"], wanted)
     assert any("succeeded" in line["event"] for line in lines), lines
 
