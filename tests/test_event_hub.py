@@ -364,14 +364,8 @@ async def test_a_burst_of_followers_interrupts_the_blocked_reader_once(
     assert len(unblocked) - before == 1
 
 
-async def test_a_burst_of_32_stream_starts_is_read_by_naming_its_streams(
-    store: JobStore, hubs: Any, redis_url: str
-) -> None:
-    """The hub as the gateway makes it keeps a burst of 32 followers of a shard on named
-    reads: no FOLLOW for any of them (by notices each would cost one before its stream is
-    read, and each of its events a second read), all in the reads that name them."""
-    log = ReadLog(redis_url)
-    hub = hubs(named_most=NAMED_MOST, log=log)
+def counted_marks(hub: EventHub) -> list[str]:
+    """The requests the hub marks followed (FOLLOW), in order, from now on."""
     marks: list[str] = []
     follow = hub.mark_followed
 
@@ -380,6 +374,18 @@ async def test_a_burst_of_32_stream_starts_is_read_by_naming_its_streams(
         return await follow(request_id, notice)
 
     hub.mark_followed = counted
+    return marks
+
+
+async def test_a_burst_of_32_stream_starts_is_read_by_naming_its_streams(
+    store: JobStore, hubs: Any, redis_url: str
+) -> None:
+    """The hub as the gateway makes it keeps a burst of 32 followers of a shard on named
+    reads: no FOLLOW for any of them (by notices each would cost one before its stream is
+    read, and each of its events a second read), all in the reads that name them."""
+    log = ReadLog(redis_url)
+    hub = hubs(named_most=NAMED_MOST, log=log)
+    marks = counted_marks(hub)
     ids = await submitted(store, 32)
     followers = [Follower(hub, rid) for rid in ids]
     for follower in followers:
@@ -392,14 +398,7 @@ async def test_switching_to_notices_marks_again_only_the_requests_not_marked_yet
     """The followers past named_most mark their requests themselves; the reader, switching
     to notices, marks only those followed before (each request once)."""
     hub = hubs(named_most=2)
-    marks: list[str] = []
-    follow = hub.mark_followed
-
-    async def counted(request_id: str, notice: bool = False) -> bool:
-        marks.append(request_id)
-        return await follow(request_id, notice)
-
-    hub.mark_followed = counted
+    marks = counted_marks(hub)
     ids = await submitted(store, 7)
     for rid in ids[:2]:  # named: not marked
         assert await Follower(hub, rid).has(1) == ["queued"]
