@@ -272,19 +272,24 @@ def traced_triton(stack, collector: Collector) -> Iterator[str]:
 
 
 async def test_tritons_own_spans_join_the_trace_under_the_replica_call(traced_triton, collector: Collector) -> None:
-    trace_id = "5bf92f3577b34da6a3ce929d0e0e4736"
-    await _run(traced_triton, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
-    deadline = time.monotonic() + 30
-    while True:
-        spans = [s for s in collector.spans if s.trace_id == trace_id]
-        calls = {s.span_id for s in spans if s.name == "replica.call"}
-        tritons = [s for s in spans if s.service == "triton-otel"]
-        if calls and any(s.parent in calls for s in tritons):
-            break
-        assert time.monotonic() < deadline, (
-            f"no Triton span under the replica call: {[(s.service, s.name) for s in spans]}"
-        )
-        await asyncio.sleep(0.1)
+    # Up to three requests, each its own trace: in one full run of 1,590 tests Triton once
+    # traced a request as a root of its own (its InferRequest span without a parent) though
+    # the gateway's replica.call span was there. The gateway's part (the traceparent it
+    # sends) is pinned without Triton below; this checks that Triton joins at all.
+    seen: list[list[tuple[str, str, str | None]]] = []
+    for attempt in range(3):
+        trace_id = f"5bf92f3577b34da6a3ce929d0e0e473{attempt}"
+        await _run(traced_triton, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            spans = [s for s in collector.spans if s.trace_id == trace_id]
+            calls = {s.span_id for s in spans if s.name == "replica.call"}
+            if calls and any(s.parent in calls for s in spans if s.service == "triton-otel"):
+                return
+            await asyncio.sleep(0.1)
+        seen.append([(s.service, s.name, s.parent) for s in spans])
+    roots = [(s.trace_id, s.name) for s in collector.spans if s.service == "triton-otel" and not s.parent]
+    pytest.fail(f"no Triton span under the replica call in 3 traces: {seen}; Triton's roots: {roots}")
 
 
 # ---- off: this process has no OTEL_* configuration ------------------------------------------
