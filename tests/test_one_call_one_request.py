@@ -37,6 +37,18 @@ async def test_a_64_input_embeddings_call_is_one_request_whose_record_holds_all_
     assert np.allclose(np.asarray([d["embedding"] for d in answer["data"]]), rows, atol=1e-6)
 
 
+async def test_a_many_input_calls_usage_is_the_sum_of_its_inputs_own_token_counts(http) -> None:
+    texts = ["a cat", "sentence number 7 about ships and the rain over the harbour", "bread"]
+
+    async def tokens(value: str | list[str]) -> int:
+        response = await http.post("/v1/embeddings", json={"model": "text_embed", "input": value})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    alone = [await tokens(text) for text in texts]
+    assert await tokens(texts) == sum(alone) and len(set(alone)) == 3
+
+
 async def test_a_many_input_calls_vectors_are_each_inputs_own_as_a_call_of_one_gives_it(http) -> None:
     texts = SENTENCES[:40]
     many = (await http.post("/v1/embeddings", json={"model": "text_embed", "input": texts})).json()

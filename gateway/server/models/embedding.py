@@ -198,7 +198,7 @@ class EmbeddingAdapter(ModelAdapter):
         if self.tokenizer is None:
             return None
         if isinstance(prepared, TextListInputs):  # one call of the tokenizer for them all
-            return sum(len(e.ids) for e in self.tokenizer.encode_batch_fast(prepared.text))
+            return sum(len(e) for e in self.tokenizer.encode_batch_fast(prepared.text))
         if not isinstance(prepared, TextInputs):
             return None
         return len(token_ids(self.tokenizer, prepared.text))
