@@ -108,7 +108,7 @@ class EmbeddingRun(Run):
         if len(rows) == 1:
             return [bytes_tensor(self.adapter.input_name, rows[0])]
         batch = InferInput(self.adapter.input_name, [len(rows), 1], "BYTES")
-        batch.set_data_from_numpy(np.array([[row] for row in rows], dtype=np.object_))
+        batch.set_data_from_numpy(np.array(rows, dtype=np.object_).reshape(-1, 1))  # whole, not row by row
         return [batch]
 
     def outputs(self) -> list[InferRequestedOutput]:

