@@ -34,8 +34,11 @@ a call marker is held back until it cannot; a hermes call goes out whole once it
 closes (or at the end); after <|python_tag|> or [TOOL_CALLS] everything is held to the end.
 The engine's detokenizer drops special tokens, and <|python_tag|> and [TOOL_CALLS] are
 special in their tokenizers, so the markers are often not in the text at all: a llama3_json
-message that starts with "{", or a mistral one that starts with "[", is held until the end
-and read then. Without a format (None) all three are read.
+message that starts with "{", or a mistral one that starts with "[", is held while it may be
+a call (its first key one a call begins with: "name", "arguments", ...) and read at the end;
+a JSON answer whose first key says it is not a call goes out as text at once. Stray text
+beside a call inside its <tool_call> block is kept as text; a call whose arguments are not
+an object (nor a string holding one) is not a call. Without a format (None) all three are read.
 
 Why parsers of our own: the maintained parsers of these formats are vLLM's and SGLang's tool
 parsers, which come with torch and transformers (the gateway deliberately imports neither);
@@ -282,13 +285,25 @@ def _names(tools: list[dict[str, Any]] | None) -> list[str] | None:
 
 def _call_of(value: Any, names: Collection[str] | None) -> ToolCall | None:
     """A call object ({"name", "arguments"} or Llama's {"name", "parameters"}) to one of
-    the functions named (any, for None)."""
+    the functions named (any, for None). Its arguments are an object, or a string holding
+    one (some models write them JSON-encoded); a call whose arguments are anything else (a
+    string that is not JSON, a list, a number) is not a call: no client could run it."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     if names is not None and value["name"] not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments) if arguments.strip() else {}
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(decoded, dict):
+            return None
+        return ToolCall(value["name"], arguments if arguments.strip() else "{}")
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments))
 
 
 def _calls_of(value: Any, names: Collection[str] | None) -> list[ToolCall] | None:
@@ -365,7 +380,9 @@ class StreamParser:
                 bare = begun[0] in self.syntax.bare and not begun.startswith(self.syntax.tags)
                 self.state = "rest" if bare else "text"
             elif self.state == "rest":
-                return out
+                if self.opened or _may_be_call(self.buffer):
+                    return out
+                self.state = "text"  # a bare message that cannot be a call: text, from now on
             elif self.state == "block":
                 close = self.syntax.blocks[self.opened]
                 end = self.buffer.find(close)
@@ -403,13 +420,46 @@ class StreamParser:
 
     def _block(self, body: str, raw: str) -> list[str | ToolCall]:
         items = _read(body, self.names)
-        if not items or not all(isinstance(item, ToolCall) for item in items):
+        start = body.find("{")
+        if not any(isinstance(item, ToolCall) for item in items) and start > 0:
+            items = [body[:start], *_read(body[start:], self.names)]  # (text before the call object)
+        if not any(isinstance(item, ToolCall) for item in items):
             return [raw]  # not a call after all: it was text
-        return self._took(items)
+        # (stray text beside the call inside its block, as small models write: kept as text)
+        return self._took([item for item in items if not isinstance(item, str) or item.strip()])
 
     def _took(self, items: list[str | ToolCall]) -> list[str | ToolCall]:
         self.calls += [item for item in items if isinstance(item, ToolCall)]
         return items
+
+
+# The keys a call object begins with (hermes' and mistral's "name", "arguments"; Llama's
+# "name", "parameters"; some templates write "type": "function" first).
+_CALL_KEYS = ("name", "arguments", "parameters", "type", "function")
+_FIRST_KEY = re.compile(r'\s*("((?:[^"\\]|\\.)*)(")?)?')
+
+
+def _may_be_call(text: str) -> bool:
+    """Whether a bare message ("{" or "[" first) may still be a call: held back only so
+    long as its first key is, or may become, one a call object begins with; a JSON answer
+    that is not a call ({"answer": ...}) goes out as text as soon as its first key says so."""
+    body = text.lstrip()
+    if body.startswith("["):
+        body = body[1:].lstrip()
+        if not body:
+            return True
+    if not body.startswith("{"):
+        return False
+    found = _FIRST_KEY.match(body, 1)
+    assert found is not None  # (every part of the pattern is optional)
+    if found.end() == len(body) and found.group(2) is None:
+        return True  # nothing after the brace yet but white space (or a quote)
+    if found.group(1) is None:
+        return False  # something other than a key after the brace
+    key = found.group(2)
+    if found.group(3):  # the key is whole
+        return key in _CALL_KEYS
+    return any(name.startswith(key) for name in _CALL_KEYS)
 
 
 def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
