@@ -3,6 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The agent CLIs the tests run (tests/test_agent_clis.py reads these pins from here).
+CLAUDE_CODE_VERSION := 2.1.332
+CODEX_VERSION := 0.171.0
 
 .PHONY: up test lint install bench clean
 
@@ -24,13 +27,22 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.local-installed
 	bash tools/get_chromium.sh >/dev/null
 	touch $@
 
-install: $(VENV)/.test-installed
+# Claude Code and the Codex CLI from npm (their native binaries inside) into .venv/agent-clis,
+# at the versions pinned above, for tests/test_agent_clis.py (~1 min the first time). Without
+# npm nothing is installed (and no stamp made): those tests skip, saying so.
+$(VENV)/.agent-clis-installed: Makefile | $(BIN)/python
+	@if command -v npm >/dev/null; then \
+		npm install --prefix $(VENV)/agent-clis --no-audit --no-fund --silent \
+			@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION) && touch $@; \
+	else echo "npm not found: the agent CLI tests (tests/test_agent_clis.py) will skip"; fi
+
+install: $(VENV)/.test-installed $(VENV)/.agent-clis-installed
 
 up: $(VENV)/.local-installed
 	$(BIN)/gateway up
 
 # Lint, format and type checks first: a finding fails the run before any server starts.
-lint: $(VENV)/.test-installed
+lint: $(VENV)/.test-installed $(VENV)/.agent-clis-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

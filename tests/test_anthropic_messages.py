@@ -10,6 +10,7 @@ a forced tool choice (guided decoding), and text is checked on the echo engine."
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import anthropic
@@ -230,7 +231,9 @@ def test_an_unknown_model_is_anthropics_not_found_error(client) -> None:
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "clear_tool_uses_20250919"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+        ({"thinking": {"type": "sometimes"}}, "thinking"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
         ({"messages": [*HELLO, {"role": "assistant", "content": "Hel"}]}, "prefill"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
@@ -302,3 +305,112 @@ def test_count_tokens_counts_against_the_tenants_requests_per_minute(stack) -> N
     assert limited.messages.count_tokens(model="llm_echo", messages=HELLO).input_tokens > 0
     with pytest.raises(anthropic.RateLimitError):  # counting runs the tokenizer: it is a request
         limited.messages.count_tokens(model="llm_echo", messages=HELLO)
+
+
+# -- a client's optional asks: accepted, served without them, named in a Warning header --------------
+
+# Claude Code 2.1.332's betas (../shared/agent-requests/claude-code-2.1.332-first-call.json).
+CLAUDE_CODE_BETAS = (
+    "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
+    "mid-conversation-tool-changes-2026-07-01,thinking-token-count-2026-05-13,advanced-tool-use-2025-11-20,"
+    "effort-2025-11-24"
+)
+DEFERRED = {"name": "DeferredToolPlaceholder", "description": "Never call this.", "input_schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"thinking": {"type": "adaptive", "display": "omitted"}}, "thinking"),
+        ({"output_config": {"effort": "high"}}, "output_config.effort"),
+        ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}, "context_management"),
+        ({"speed": "fast"}, "speed"),
+        ({"diagnostics": {"enabled": True}}, "diagnostics"),
+        ({"tools": [{**WEATHER, "strict": True, "eager_input_streaming": True}]}, "tools.strict"),
+        ({"tools": [WEATHER, {**DEFERRED, "defer_loading": True}]}, "tools.defer_loading"),
+    ],
+)
+def test_an_optional_ask_is_served_without_it_and_named_in_a_warning(client, extra: dict, named: str) -> None:
+    raw = client.messages.with_raw_response.create(
+        model="llm_echo", system=SYSTEM, messages=HELLO, max_tokens=2000, extra_body=extra
+    )
+    message = raw.parse()
+    assert [block.type for block in message.content] == ["text"]  # no thinking block
+    assert message.stop_reason == "end_turn"
+    assert raw.headers["warning"].startswith('299 - "accepted and not applied: ') and named in raw.headers["warning"]
+
+
+def test_a_deferred_tool_is_not_offered_to_the_model(client) -> None:
+    deferred = {**DEFERRED, "defer_loading": True}
+    message = client.messages.create(
+        model="llm_echo", messages=HELLO, tools=[WEATHER, deferred], max_tokens=2000, extra_body=GREEDY
+    )
+    prompt = message.content[0].text  # (the echo engine answers with the rendered prompt)
+    assert "get_weather" in prompt and "DeferredToolPlaceholder" not in prompt
+
+
+def test_claude_codes_betas_query_and_string_user_id_are_served(client) -> None:
+    user_id = json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": "s" * 36})
+    raw = client.messages.with_raw_response.create(
+        model="llm_echo",
+        system=SYSTEM,
+        messages=HELLO,
+        max_tokens=200,
+        metadata={"user_id": user_id * 2},  # (longer than the chat path's user: kept by its digest)
+        extra_headers={"anthropic-beta": CLAUDE_CODE_BETAS},
+        extra_query={"beta": "true"},
+    )
+    assert raw.parse().content[0].text == RENDERED
+    assert "warning" not in raw.headers  # (nothing here is left unapplied)
+
+
+def test_a_system_message_among_the_messages_is_kept_in_place(client) -> None:
+    messages = [*HELLO, {"role": "system", "content": [{"type": "text", "text": "Env: linux."}]}]
+    message = client.messages.create(model="llm_echo", system=SYSTEM, messages=messages, max_tokens=200)
+    assert message.content[0].text == RENDERED.replace(
+        "<|im_start|>assistant", "<|im_start|>system\nEnv: linux.<|im_end|>\n<|im_start|>assistant"
+    )
+
+
+def test_a_thinking_block_given_back_is_left_out_of_the_prompt(client) -> None:
+    thought = {"type": "thinking", "thinking": "Hmm.", "signature": "sig"}
+    messages = [
+        *HELLO,
+        {"role": "assistant", "content": [thought, {"type": "text", "text": "Hello."}]},
+        {"role": "user", "content": "Again."},
+    ]
+    message = client.messages.create(model="llm_echo", messages=messages, max_tokens=200)
+    assert "Hmm." not in message.content[0].text and "Hello." in message.content[0].text
+
+
+def _prompt_of_tokens(client, tokens: int) -> str:
+    """A user message of about `tokens` tokens (measured with count_tokens)."""
+
+    def count(words: int) -> int:
+        return client.messages.count_tokens(
+            model="llm_echo", messages=[{"role": "user", "content": "hello " * words}]
+        ).input_tokens
+
+    base, hundred = count(0), count(100)
+    words = (tokens - base) * 100 // (hundred - base) + 1
+    return "hello " * words
+
+
+def test_max_tokens_over_the_models_room_is_served_up_to_it_with_model_context_window_exceeded(client) -> None:
+    # The echo engine (8,192 tokens of context) says the prompt again: a prompt of more than
+    # half the context fills it before the answer ends.
+    prompt = _prompt_of_tokens(client, 4200)
+    message = client.messages.create(model="llm_echo", messages=[{"role": "user", "content": prompt}], max_tokens=32000)
+    assert message.stop_reason == "model_context_window_exceeded"
+    usage = message.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) + usage.output_tokens == 8192
+
+
+def test_a_prompt_over_the_context_is_anthropics_prompt_is_too_long(client) -> None:
+    prompt = _prompt_of_tokens(client, 8400)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model="llm_echo", messages=[{"role": "user", "content": prompt}], max_tokens=10)
+    error = refused.value.body["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "prompt_too_long"
+    assert re.match(r"prompt is too long: \d+ tokens > 8191 maximum", error["message"])

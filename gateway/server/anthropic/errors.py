@@ -33,11 +33,23 @@ def error_type(status: int) -> str:
     return "api_error" if status >= 500 else "invalid_request_error"
 
 
-def anthropic_error_body(status: int, code: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(status), "message": message, "code": code}}
+def _anthropic_words(code: str, message: str, details: Any) -> str:
+    """A prompt over the model's context in Anthropic's own words, which clients read
+    (Claude Code shows "Prompt is too long" from them), the gateway's sentence after them."""
+    if code == "prompt_too_long" and isinstance(details, dict):
+        tokens, most = details.get("prompt_tokens"), details.get("max_input_tokens")
+        if isinstance(tokens, int) and isinstance(most, int):
+            return f"prompt is too long: {tokens} tokens > {most} maximum ({message})"
+    return message
+
+
+def anthropic_error_body(status: int, code: str, message: str, details: Any = None) -> dict[str, Any]:
+    words = _anthropic_words(code, message, details)
+    return {"type": "error", "error": {"type": error_type(status), "message": words, "code": code}}
 
 
 def anthropic_error(
     status: int, code: str, message: str, details: Any = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    return JSONResponse(anthropic_error_body(status, code, message), status_code=error_status(status), headers=headers)
+    body = anthropic_error_body(status, code, message, details)
+    return JSONResponse(body, status_code=error_status(status), headers=headers)

@@ -24,11 +24,23 @@ record's metadata says `messages`.
   mid-stream ends the stream with an `error` event; a client that goes away cancels it.
 - The key comes as `x-api-key` (or `Authorization: Bearer`); `anthropic-version`, when
   sent, must be a date from 2023-06-01 on (the `anthropic` package sends its own);
-  `anthropic-beta` asks for nothing served here and is not read. Errors are Anthropic's
-  body (gateway.server.anthropic.errors)."""
+  `anthropic-beta` is not read: what a beta adds to the body is served, or accepted and
+  ignored, or refused by name, as any field. Errors are Anthropic's body
+  (gateway.server.anthropic.errors); a prompt over the model's context is Anthropic's
+  `prompt is too long: N tokens > M maximum`.
+- A client's optional asks that only ask for more than these models have (IGNORED: thinking,
+  output_config.effort, context_management's clear_thinking edits, speed, diagnostics,
+  deferred tools, tools' strict and streaming hints) are accepted: the call is served
+  without them (no thinking block) and the answer's `Warning` header names them. What would
+  change a correct answer (sampling and stops the engine cannot apply, other context edits,
+  output formats) is still refused by name.
+- max_tokens above the model's room is served up to the room: a message the context cut
+  stops with `model_context_window_exceeded`, one max_tokens (or the model's output cap)
+  cut with `max_tokens`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -96,6 +108,11 @@ def _text_of(blocks: list[ContentBlock], where: str) -> str:
     return "\n".join(parts)
 
 
+# Blocks of an earlier answer that a model without reasoning never reads (Anthropic's API
+# drops earlier turns' thinking from the prompt too).
+THINKING_BLOCKS = ("thinking", "redacted_thinking")
+
+
 def _message(role: str, blocks: list[ContentBlock], where: str) -> list[dict[str, Any]]:
     """The chat messages of one Anthropic message made of blocks."""
     texts: list[str] = []
@@ -103,6 +120,10 @@ def _message(role: str, blocks: list[ContentBlock], where: str) -> list[dict[str
     results: list[dict[str, Any]] = []
     for index, block in enumerate(blocks):
         param = f"{where}.content[{index}]"
+        if block.type in THINKING_BLOCKS and role == "assistant":
+            continue
+        if role == "system" and block.type != "text":
+            raise unsupported(f"{param}.type", f"a system message holds text blocks, not {block.type}")
         if block.type == "text":
             if block.text is None:
                 raise _invalid(f"{param}.text", "a text block needs its text")
@@ -137,6 +158,8 @@ def _message(role: str, blocks: list[ContentBlock], where: str) -> list[dict[str
                 "(text, tool_use and tool_result blocks)",
             )
     text = "\n".join(texts)
+    if role == "system":
+        return [{"role": "system", "content": text}] if text else []
     if role == "assistant":
         if not text and not calls:
             raise _invalid(f"{where}.content", "an assistant message needs text or tool_use blocks")
@@ -158,23 +181,63 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             found.append({"role": message.role, "content": message.content})
         else:
             found += _message(message.role, message.content, where)
-    if body.messages[-1].role == "assistant":
+    spoken = [index for index, message in enumerate(body.messages) if message.role != "system"]
+    if not spoken:
+        raise _invalid("messages", "the messages need a user message, not system text alone")
+    if body.messages[spoken[-1]].role == "assistant":
         raise unsupported(
-            f"messages[{len(body.messages) - 1}].role",
+            f"messages[{spoken[-1]}].role",
             "a final assistant message (a prefill to continue) is not supported: the chat template opens a new "
             "turn after it; end with a user message",
         )
     return found
 
 
+# Context edits that only clear thinking (there is none to clear).
+_CLEARS_THINKING = "clear_thinking_"
+
+
+def ignored(body: CountTokensRequest) -> list[str]:
+    """The optional asks of a call that are accepted and not applied (the README's table),
+    as the Warning header names them; what is refused is checked by chat_body."""
+    found = []
+    if body.thinking is not None and body.thinking.type != "disabled":
+        found.append("thinking")
+    if body.output_config is not None and body.output_config.effort is not None:
+        found.append("output_config.effort")
+    if body.context_management is not None and body.context_management.edits:
+        found.append("context_management")
+    if any(tool.defer_loading for tool in body.tools or []):
+        found.append("tools.defer_loading")
+    if any(tool.strict or tool.eager_input_streaming or tool.input_examples for tool in body.tools or []):
+        found.append("tools.strict")
+    if isinstance(body, MessagesRequest):
+        found += [name for name in ("speed", "diagnostics") if getattr(body, name) is not None]
+    return found
+
+
+def warning(names: list[str]) -> dict[str, str]:
+    """RFC 9111's Warning header (299: a persistent warning) naming what was not applied."""
+    if not names:
+        return {}
+    return {"warning": f'299 - "accepted and not applied: {", ".join(names)} (these models do not reason)"'}
+
+
 def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion an Anthropic call is."""
-    if body.thinking is not None and body.thinking.type != "disabled":
-        raise unsupported("thinking", "extended thinking is not supported: these models do not reason")
     data: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}  # (blocks by their type first)
+    for index, edit in enumerate(body.context_management.edits or [] if body.context_management else []):
+        if not edit.type.startswith(_CLEARS_THINKING):
+            raise unsupported(
+                f"context_management.edits[{index}].type",
+                f"context edits of type {edit.type} are not supported: they would change the prompt the model "
+                "reads (edits that clear thinking are accepted: these models do not reason)",
+            )
     refuse_unsupported(body, API_LABEL)
     tools = []
     for index, tool in enumerate(body.tools or []):
+        if tool.defer_loading:
+            continue  # found by a tool search these models do not run: not offered
         if tool.type not in (None, "custom"):
             raise unsupported(
                 f"tools[{index}].type",
@@ -208,13 +271,21 @@ def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
         if body.stop_sequences:
             data["stop"] = body.stop_sequences
         if body.metadata is not None and body.metadata.user_id:
-            data["user"] = body.metadata.user_id
+            data["user"] = _user(body.metadata.user_id)
     else:
         data["max_tokens"] = 1
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:  # what Anthropic's body allows and the chat path's does not
         raise ApiError(400, "invalid_request", validation_message(list(exc.errors()))) from None
+
+
+def _user(user_id: str) -> str:
+    """metadata.user_id as the chat path's `user` (256 characters at most): a longer one
+    (Claude Code's JSON of ids) by its digest, so the same user is still the same."""
+    if len(user_id) <= 256:
+        return user_id
+    return "sha256:" + hashlib.sha256(user_id.encode()).hexdigest()
 
 
 # -- answers --------------------------------------------------------------------------------
@@ -234,9 +305,13 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def stop_of(record: ResultRecord, called: bool) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence of a finished request."""
+def stop_of(record: ResultRecord, called: bool, context_length: int | None = None) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence of a finished request: one cut where the
+    prompt and the answer filled the model's context is model_context_window_exceeded."""
     if common.finish_reason(record) == "length":
+        usage = record.usage
+        if context_length and usage and usage.prompt_tokens + usage.completion_tokens >= context_length:
+            return "model_context_window_exceeded", None
         return "max_tokens", None  # (a call cut by max_tokens too)
     if called:
         return "tool_use", None
@@ -257,7 +332,9 @@ def usage_of(record: ResultRecord, tpb: int) -> dict[str, Any]:
     }
 
 
-def message_of(record: ResultRecord, model: str, plan: chat.ChatPlan, tpb: int) -> dict[str, Any]:
+def message_of(
+    record: ResultRecord, model: str, plan: chat.ChatPlan, tpb: int, context_length: int | None = None
+) -> dict[str, Any]:
     content, calls = chat.read_calls((record.outputs or {}).get("text_output", ""), plan)
     calls = calls if plan.parallel else calls[:1]
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
@@ -270,7 +347,7 @@ def message_of(record: ResultRecord, model: str, plan: chat.ChatPlan, tpb: int) 
                 "input": tool_input(call.arguments),
             }
         )
-    stop_reason, stop_sequence = stop_of(record, bool(calls))
+    stop_reason, stop_sequence = stop_of(record, bool(calls), context_length)
     return {
         "id": f"msg_{record.request_id}",
         "type": "message",
@@ -293,17 +370,18 @@ async def create_message(body: MessagesRequest, request: Request, who: Annotated
         svc.events.admissible(who.tenant)
     submission = await common.submit(svc, who, request, natives)
     request_id = submission.request_id
-    headers = {"x-request-id": request_id, "request-id": request_id}
+    headers = {"x-request-id": request_id, "request-id": request_id, **warning(ignored(body))}
     tpb = common.tokens_per_block(svc, body.model)
     plan = chat.chat_plan(asked, common.tool_format(svc, body.model))
+    context_length = common.context_length(svc, body.model)
     if body.stream:
-        stream = MessageStream(request_id, body.model, plan, tpb)
+        stream = MessageStream(request_id, body.model, plan, tpb, context_length)
         counted = submission.prompt_tokens[0] if submission.prompt_tokens else None
         return EventStream(stream.events(svc, who.scope, counted), ping=svc.settings.sse_ping_s, headers=headers)
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
     record = await common.wait_record(svc, who, request_id, timeout)
     common.raise_for_record(record)
-    return JSONResponse(message_of(record, body.model, plan, tpb), headers=headers)
+    return JSONResponse(message_of(record, body.model, plan, tpb, context_length), headers=headers)
 
 
 @router.post("/messages/count_tokens", summary="Count a message's tokens (Anthropic)")
@@ -355,8 +433,11 @@ def _event(kind: str, data: dict[str, Any]) -> ServerSentEvent:
 class MessageStream:
     """Anthropic's events of a streamed message, from its request's events."""
 
-    def __init__(self, request_id: str, model: str, plan: chat.ChatPlan, tpb: int) -> None:
+    def __init__(
+        self, request_id: str, model: str, plan: chat.ChatPlan, tpb: int, context_length: int | None = None
+    ) -> None:
         self.request_id = request_id
+        self.context_length = context_length
         self.model = model
         self.plan = plan
         self.tpb = tpb
@@ -429,7 +510,7 @@ class MessageStream:
             _, calls = chat.read_calls(self.held, self.plan)
             events += self._items([*calls])
         events += self._stop_text()
-        stop_reason, stop_sequence = stop_of(record, self.calls > 0)
+        stop_reason, stop_sequence = stop_of(record, self.calls > 0, self.context_length)
         usage = usage_of(record, self.tpb)
         usage.pop("service_tier")
         events.append(

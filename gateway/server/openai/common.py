@@ -77,6 +77,12 @@ def tool_format(svc: Services, model: str) -> ToolFormat | None:
     return found if isinstance(found, ToolFormat) else None
 
 
+def context_length(svc: Services, model: str) -> int | None:
+    """The model's context in tokens (prompt and answer together), where it is known."""
+    found = getattr(svc.registry.adapters.get(model), "context_length", None)
+    return found if isinstance(found, int) else None
+
+
 def tokens_per_block(svc: Services, model: str) -> int:
     spec = svc.registry.specs.get(model)
     return spec.tokens_per_block if spec is not None else 32

@@ -31,6 +31,7 @@ from gateway.server.services import Services, services
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 CREATED = 1_700_000_000  # models have no creation time here; a fixed one keeps answers stable
+CREATED_AT = "2023-11-14T22:13:20Z"  # the same, as Anthropic's model object writes it
 
 
 def embedding_adapter(svc: Services, body: EmbeddingRequest) -> EmbeddingAdapter:
@@ -120,17 +121,48 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, who: Annot
     return Response(answer, media_type="application/json", headers={"x-request-id": ",".join(ids)})
 
 
-def model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": CREATED, "owned_by": "triton-gateway"}
+def model_object(name: str, adapter: object = None) -> dict[str, Any]:
+    """A model as OpenAI's and Anthropic's model objects both read (the two APIs share the
+    path), with the numbers agent clients size their prompts by, for an LLM: its context
+    (`context_window`, prompt and answer together), the longest prompt it takes and the
+    most tokens an answer has (Anthropic's `max_input_tokens` and `max_tokens`)."""
+    found: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": CREATED,
+        "owned_by": "triton-gateway",
+        "type": "model",
+        "display_name": name,
+        "created_at": CREATED_AT,
+    }
+    context = getattr(adapter, "context_length", None)
+    spec = getattr(adapter, "spec", None)
+    if isinstance(context, int):
+        found["context_window"] = context
+        found["max_input_tokens"] = getattr(adapter, "max_input_tokens", context - 1)
+        output_cap = getattr(spec, "max_output_tokens", None)
+        found["max_tokens"] = min(context - 1, output_cap) if isinstance(output_cap, int) else context - 1
+    return found
 
 
-@router.get("/models", summary="The models served (OpenAI)")
+@router.get("/models", summary="The models served (OpenAI, Anthropic)")
 async def list_models(request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
-    return {"object": "list", "data": [model_object(name) for name in services(request).registry.names]}
+    registry = services(request).registry
+    names = list(registry.names)
+    data = [model_object(name, registry.adapters.get(name)) for name in names]
+    # (has_more, first_id, last_id: Anthropic's page of one page)
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": False,
+        "first_id": names[0] if names else None,
+        "last_id": names[-1] if names else None,
+    }
 
 
-@router.get("/models/{model_id}", summary="One model (OpenAI)")
+@router.get("/models/{model_id}", summary="One model (OpenAI, Anthropic)")
 async def get_model(model_id: str, request: Request, who: Annotated[Caller, Depends(caller)]) -> dict[str, Any]:
-    if model_id not in services(request).registry:
+    registry = services(request).registry
+    if model_id not in registry:
         raise ApiError(404, "model_not_found", f"the model {model_id!r} does not exist", details={"param": "model"})
-    return model_object(model_id)
+    return model_object(model_id, registry.adapters.get(model_id))

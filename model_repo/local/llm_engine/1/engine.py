@@ -24,7 +24,8 @@ Two compute backends share the scheduler and the cache:
 - SyntheticBackend: no compute; prefill costs `prefill_us_per_token` for each token not
   served from the cache, a decode step `decode_us` for all sequences at once (as in-flight
   batching on a GPU), and the tokens are a seeded sequence of ordinary words ("words") or
-  the prompt's own tokens again ("echo"). A "words" request that asks for log
+  the prompt's own tokens again ("echo"), or an agent's stand-in answer ("agent": model.py's
+  agent_reply, a call of the first tool offered or a fixed sentence). A "words" request that asks for log
   probabilities, logits or a guide gets seeded random logits instead (so those features
   work at any context length without a model): the most likely token the guide allows. For measuring the gateway (streams, routing)
   without the CPU model being the limit, and for testing detokenization of any text."""
@@ -808,10 +809,12 @@ class SyntheticBackend(ContextWindow):
 
     def __init__(
         self, words: list[int], *, prefill_us_per_token: float, decode_us: float, context_length: int,
-        echo: bool = False, vocab_size: int = 0,
+        echo: bool = False, vocab_size: int = 0, reply: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
         self.words = words or list(range(100, 1100))
         self.echo = echo
+        # "agent": the whole answer, made from the prompt at once (model.py's agent_reply).
+        self.reply = reply
         # The width of the synthetic logits made for requests that ask for log probabilities,
         # logits or a guide (0: none can).
         self.vocab_size = vocab_size
@@ -831,7 +834,10 @@ class SyntheticBackend(ContextWindow):
             cache.insert(keys[len(blocks) :], [None] * (len(keys) - len(blocks)))
             sequence.prefilled = len(sequence.prompt) - len(blocks) * tpb
             time.sleep(sequence.prefilled * self.prefill_s_per_token)
-            sequence.state = random.Random(hash((sequence.sampling.seed, tuple(sequence.prompt[-8:]))))
+            if self.reply is not None:
+                sequence.state = self.reply(sequence.prompt)
+            else:
+                sequence.state = random.Random(hash((sequence.sampling.seed, tuple(sequence.prompt[-8:]))))
             tokens.append(self._next(sequence))
         return tokens
 
@@ -846,6 +852,9 @@ class SyntheticBackend(ContextWindow):
         pass  # no KV to free
 
     def _next(self, sequence: Sequence) -> int:
+        if self.reply is not None:  # the answer made at the context phase, then the end
+            done = len(sequence.generated)
+            return sequence.state[done] if done < len(sequence.state) else sequence.sampling.end_id
         if self.echo:  # the prompt again, token by token, then the end
             done = len(sequence.generated)
             return sequence.prompt[done] if done < len(sequence.prompt) else sequence.sampling.end_id

@@ -59,6 +59,7 @@ synthetic engine prefill_us_per_token, decode_us, context_length."""
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -67,6 +68,28 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# An agent CLI's stand-in (llm_agent): what tests of the gateway's doors need from a model.
+AGENT_TRIGGER = "[call the first tool]"
+AGENT_ANSWER = "Hello from the stand-in."
+AGENT_AFTER_TOOL = "The tool answered."
+_TOOLS_BLOCK = re.compile(r"<tools>\n(\{.*)")
+
+
+def agent_reply(prompt: str) -> str:
+    """llm_agent's answer to a rendered prompt: once a tool's result is in it, a sentence
+    saying so; else, when the prompt asks for AGENT_TRIGGER and offers tools (the gateway's
+    generic tool prompt, hermes), a call of the first tool offered with no arguments; else
+    a fixed sentence."""
+    if "<tool_response>\n" in prompt:  # (the tool prompt itself names the tag, without a newline)
+        return AGENT_AFTER_TOOL
+    found = _TOOLS_BLOCK.search(prompt)
+    if AGENT_TRIGGER in prompt and found is not None:
+        first = json.JSONDecoder().raw_decode(found.group(1))[0]
+        name = (first.get("function") or first).get("name", "")
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": {}}) + "\n</tool_call>"
+    return AGENT_ANSWER
+
+
 # llm_synthetic and llm_echo run this same code from copies of llm_engine/1 (symlinks in the
 # source tree); what they have no copy of (guided.py) comes from llm_engine beside them.
 sys.path.append(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "llm_engine", "1")))
@@ -192,9 +215,20 @@ class TritonPythonModel:
         values = [params.get(name, "").strip() for name in LOOKAHEAD]
         self.lookahead = tuple(int(v) for v in values) if all(v.isdigit() for v in values) else None
         if kind == "synthetic":
-            echo = params.get("synthetic_output", "words") == "echo"
+            output = params.get("synthetic_output", "words")
+            echo = output == "echo"
             tokenizer_file = os.path.join(model_dir, "tokenizer.json") if model_dir else ""
             vocab_size = 0
+            reply = None
+            if output == "agent":
+                from tokenizers import Tokenizer
+
+                agent_tokenizer = Tokenizer.from_file(tokenizer_file)
+
+                def reply(prompt: list[int]) -> list[int]:
+                    text = agent_tokenizer.decode(prompt, skip_special_tokens=False)
+                    return agent_tokenizer.encode(agent_reply(text), add_special_tokens=False).ids
+
             if not echo and tokenizer_file and os.path.exists(tokenizer_file):
                 from guided import Guides
                 from tokenizers import Tokenizer
@@ -209,6 +243,7 @@ class TritonPythonModel:
                 context_length=int(params.get("context_length", "4096")),
                 echo=echo,
                 vocab_size=vocab_size,
+                reply=reply,
             )
             self.default_end_id = -1
             # No KV, so no memory budget: the blocks only model what a prefix cache would hold.

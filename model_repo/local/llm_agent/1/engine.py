@@ -1,0 +1,1 @@
+../../llm_engine/1/engine.py

@@ -1,0 +1,1 @@
+../../llm_engine/1/kv_blocks.py
