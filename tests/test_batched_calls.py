@@ -56,3 +56,15 @@ async def test_one_bad_image_in_a_shared_call_fails_only_itself(stack, http) -> 
     records = await asyncio.gather(*(wait_result(http, rid) for rid in ids))
     assert [r["status"] for r in records] == ["succeeded"] * 3 + ["failed"] + ["succeeded"] * 3
     assert records[3]["error"]["code"] == "invalid_input"
+
+
+async def test_a_64_input_clip_text_call_is_one_triton_call(stack, http) -> None:
+    """clip_text takes 64 rows a call (its ensemble, tokenizer and text tower), so a 64-input
+    embeddings call is one ModelInfer, not four of 16."""
+    calls_before, rows_before = triton_counts(stack, "clip_text")
+    body = {"model": "clip_text", "input": [f"a photo of thing number {i}" for i in range(64)]}
+    response = await http.post("/v1/embeddings", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 64
+    calls_after, rows_after = triton_counts(stack, "clip_text")
+    assert (calls_after - calls_before, rows_after - rows_before) == (1, 64)

@@ -136,7 +136,12 @@ def export_clip(
         "build/clip-onnx"
     ),
     precision: Annotated[str, typer.Option(help="fp16 or int8.")] = "fp16",
-    max_batch_size: Annotated[int, typer.Option(help="Largest batch of the plans (render's max_batch_size).")] = 16,
+    image_max_batch_size: Annotated[
+        int, typer.Option(help="Largest batch of the vision plan (render's image_max_batch_size).")
+    ] = 16,
+    text_max_batch_size: Annotated[
+        int, typer.Option(help="Largest batch of the text plan (render's text_max_batch_size).")
+    ] = 64,
     calibration_images: Annotated[Path | None, typer.Option(help="int8: folder of representative images.")] = None,
     calibration_texts: Annotated[Path | None, typer.Option(help="int8: text file, one caption per line.")] = None,
     trtexec: Annotated[str | None, typer.Option(help="trtexec binary (default: TensorRT's, else PATH).")] = None,
@@ -167,7 +172,14 @@ def export_clip(
             c.calibration_images(local, calibration_images, vision_calib)
             c.calibration_texts(local, calibration_texts, text_calib)
     steps = c.plan_steps(
-        towers, repo, precision, max_batch_size, trtexec or c.default_trtexec(), vision_calib, text_calib
+        towers,
+        repo,
+        precision,
+        image_max_batch_size,
+        trtexec or c.default_trtexec(),
+        vision_calib,
+        text_calib,
+        text_max_batch=text_max_batch_size,
     )
     e.run(steps, dry_run=dry_run)
 

@@ -5,7 +5,9 @@ plan's output is the final embedding and the ensembles need no extra step. Input
 `pixel_values` [batch, 3, S, S] float32, and `input_ids` / `attention_mask` [batch, 77]
 int32 (cast to int64 inside the graph, where the embedding lookup wants it).
 
-Plans are built with trtexec, for a batch profile 1..max_batch_size:
+Plans are built with trtexec, for a batch profile 1..max_batch_size of their tower (the
+render's image_max_batch_size and text_max_batch_size: 16 and 64 by default; a 64-input
+embeddings call is one call of the text tower):
   fp16: trtexec --fp16 on the exported ONNX;
   int8: ModelOpt's ONNX post-training quantization inserts Q/DQ nodes calibrated on real
         images / captions (TensorRT's explicit quantization), then trtexec --int8 --fp16.
@@ -173,16 +175,27 @@ def plan_steps(
     trtexec: str,
     vision_calib: Path | None = None,
     text_calib: Path | None = None,
+    *,
+    text_max_batch: int | None = None,
 ) -> list[Step]:
-    """Commands that build both plans into a rendered clip_trt repository."""
+    """Commands that build both plans into a rendered clip_trt repository: the vision plan for
+    batches up to max_batch, the text plan up to text_max_batch (None: max_batch too)."""
     if precision not in ("fp16", "int8"):
         raise ToolError(f"precision must be fp16 or int8, got {precision!r}")
+    text_batch = max_batch if text_max_batch is None else text_max_batch
+    side = onnx.image_size
     towers = [
-        (VISION_MODEL, onnx.vision, {"pixel_values": f"3x{onnx.image_size}x{onnx.image_size}"}, vision_calib),
-        (TEXT_MODEL, onnx.text, {"input_ids": str(CONTEXT_LENGTH), "attention_mask": str(CONTEXT_LENGTH)}, text_calib),
+        (VISION_MODEL, onnx.vision, {"pixel_values": f"3x{side}x{side}"}, vision_calib, max_batch),
+        (
+            TEXT_MODEL,
+            onnx.text,
+            {"input_ids": str(CONTEXT_LENGTH), "attention_mask": str(CONTEXT_LENGTH)},
+            text_calib,
+            text_batch,
+        ),
     ]
     steps: list[Step] = []
-    for model, source, inputs, calib in towers:
+    for model, source, inputs, calib, batch in towers:
         plan = repo / model / "1" / "model.plan"
         flags = ["--fp16"]
         if precision == "int8":
@@ -213,8 +226,8 @@ def plan_steps(
             flags = ["--int8", "--fp16"]
         steps.append(
             Step(
-                f"{model}: build the TensorRT plan ({precision}, batch 1..{max_batch})",
-                [trtexec, f"--onnx={source}", f"--saveEngine={plan}", *flags, *_shapes(inputs, max_batch)],
+                f"{model}: build the TensorRT plan ({precision}, batch 1..{batch})",
+                [trtexec, f"--onnx={source}", f"--saveEngine={plan}", *flags, *_shapes(inputs, batch)],
             )
         )
     return steps

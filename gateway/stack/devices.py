@@ -30,8 +30,8 @@ class GpuBatching:
 
 
 # The models that go to the GPU, and their batches there. The clip_image and clip_text
-# ensembles keep their max_batch_size of 16: the towers' dynamic batchers merge their
-# requests into the larger batches.
+# ensembles keep their max_batch_size (16 and 64, as on CPU): the towers' dynamic batchers
+# merge their requests into the larger batches.
 GPU_MODELS = {
     "text_embed": GpuBatching(max_batch_size=256, preferred_batch_sizes=(64, 128, 256)),
     "clip_vision": GpuBatching(max_batch_size=128, preferred_batch_sizes=(32, 64, 128)),

@@ -59,6 +59,28 @@ def test_clip_trt_ensembles_have_the_inputs_and_outputs_of_the_local_ones(render
         assert gpu.max_batch_size == local.max_batch_size
 
 
+def test_clip_text_and_image_render_their_own_max_batch_size_through_every_step(tmp_path: Path) -> None:
+    sizes = {"image_max_batch_size": 8, "text_max_batch_size": 48}
+    render(["clip_trt"], tmp_path / "r", settings={"clip_trt": {"hf_model_dir": "/hf", **sizes}})
+    configs = load_repo(tmp_path / "r")
+    image = ("clip_image", "clip_trt_image_preprocessing", "clip_trt_vision")
+    text = ("clip_text", "clip_trt_tokenizer", "clip_trt_text_encoder")
+    assert {configs[name].max_batch_size for name in image} == {8}
+    assert {configs[name].max_batch_size for name in text} == {48}
+
+
+def test_export_clip_builds_each_plan_for_its_towers_rendered_max_batch_size(rendered: dict[str, Path]) -> None:
+    """The defaults agree: the text plan's profile reaches clip_text's 64, the vision plan's
+    clip_image's 16."""
+    text = parse_config(rendered["clip_trt"] / "clip_trt_text_encoder" / "config.pbtxt").max_batch_size
+    vision = parse_config(rendered["clip_trt"] / "clip_trt_vision" / "config.pbtxt").max_batch_size
+    assert (text, vision) == (64, 16)
+    result = runner.invoke(app, ["export-clip", "--repo", str(rendered["clip_trt"]), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"--maxShapes=input_ids:{text}x77,attention_mask:{text}x77" in result.output
+    assert f"--maxShapes=pixel_values:{vision}x3x224x224" in result.output
+
+
 def test_trtllm_step_uses_the_tensorrtllm_backend_with_in_flight_batching(rendered: dict[str, Path]) -> None:
     config = parse_config(rendered["trtllm"] / "trtllm_tensorrt_llm" / "config.pbtxt")
     assert config.backend == "tensorrtllm"
@@ -177,7 +199,7 @@ def test_render_replaces_an_earlier_render_only_with_force(tmp_path: Path) -> No
     render(["clip_trt"], out, settings=settings)
     with pytest.raises(ToolError, match="--force"):
         render(["clip_trt"], out, settings=settings)
-    render(["clip_trt"], out, settings={"clip_trt": {"hf_model_dir": "/hf", "max_batch_size": 8}}, force=True)
+    render(["clip_trt"], out, settings={"clip_trt": {"hf_model_dir": "/hf", "image_max_batch_size": 8}}, force=True)
     assert parse_config(out / "clip_image" / "config.pbtxt").max_batch_size == 8
 
 
