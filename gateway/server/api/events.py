@@ -104,7 +104,7 @@ async def sse_events(
                 yield ServerSentEvent(data=event.data, event=event.kind, id=event.id)
             elif queued:
                 try:
-                    job = await svc.jobs.load(request_id)
+                    job = await svc.jobs.status(request_id)  # never the payload: a tick a second
                     standing = (
                         await svc.results.standing(job) if job is not None and job.state == State.QUEUED else None
                     )

@@ -84,6 +84,30 @@ def stored_payload(payload: dict[str, Any]) -> str:
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
 
 
+# The members of a payload a status read answers with (NewRequest.meta).
+META_MEMBERS = ("metadata", "prompt_tokens")
+# The fields of a request's hash a status read takes (JobStore.status, scripts.READ): every
+# field but the payload (the run's owner and lease are the dispatchers' business).
+STATUS_FIELDS = (
+    "state",
+    "model",
+    "tenant",
+    "band",
+    "created_at",
+    "deadline",
+    "started_at",
+    "attempts",
+    "emitted",
+    "cancel",
+    "stored",
+    "replica",
+    "run",
+    "handovers",
+    "result",
+    "meta",
+)
+
+
 @dataclass(frozen=True)
 class NewRequest:
     request_id: str
@@ -96,6 +120,13 @@ class NewRequest:
     def stored(self) -> bytes:
         """The payload as SUBMIT stores it and counts its bytes (made once)."""
         return stored_payload(self.payload).encode()
+
+    @cached_property
+    def meta(self) -> str:
+        """What a status read answers from the payload (its labels, the prompt's tokens as
+        counted at submission), stored beside it (the hash's `meta`): a read of a request's
+        standing takes this and never the payload, which can be megabytes."""
+        return stored_payload({name: self.payload[name] for name in META_MEMBERS if name in self.payload})
 
 
 @dataclass(frozen=True)
@@ -175,6 +206,8 @@ class Job:
     emitted_ids: list[int] = field(default_factory=list)
     run: str = ""  # the current run's token (its fence); '' while it has not run
     handovers: int = 0  # runs handed on by a draining gateway (no failed delivery)
+    # False for a job read for its status (from_status): its payload holds META_MEMBERS only.
+    whole: bool = True
 
     @property
     def deliveries(self) -> int:
@@ -224,6 +257,18 @@ class Job:
             handovers=int(h.get("handovers", 0)),
         )
 
+    @classmethod
+    def from_status(cls, request_id: str, values: list[str | None]) -> Job | None:
+        """A job read for its status: the STATUS_FIELDS of its hash, in that order (None
+        when it has none); its payload is what `meta` holds (a hash written before `meta`
+        existed has its whole payload read in its place: scripts.READ)."""
+        h = {name: value for name, value in zip(STATUS_FIELDS, values, strict=True) if value is not None}
+        if "state" not in h:
+            return None
+        job = cls.from_hash(request_id, {**h, "payload": h.get("meta") or "{}"})
+        job.whole = False
+        return job
+
     @property
     def shard(self) -> Shard:
         return shard_of(self.request_id)
@@ -241,6 +286,8 @@ class Job:
         index: IndexRef | None = None,
         finished_at: float | None = None,
     ) -> ResultRecord:
+        if not self.whole:  # a status read's job lacks the inputs a record keeps
+            raise ValueError(f"the job of {self.request_id} was read without its payload")
         finished = time.time() if finished_at is None else finished_at
         started = self.started_at
         webhook = self.payload.get("webhook")

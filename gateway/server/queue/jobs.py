@@ -40,6 +40,7 @@ from gateway.protocol import (
 from gateway.protocol.redis_keys import CANCEL_CHANNEL, DONE_CHANNEL, Shard, all_shards, shard_for_tenant, shard_of
 from gateway.server.queue import scripts
 from gateway.server.queue.job import (
+    STATUS_FIELDS,
     Admission,
     Emitted,
     Job,
@@ -310,18 +311,27 @@ class JobStore:
             return await asyncio.to_thread(jobs)
         return jobs()
 
+    async def status(self, request_id: str) -> Job | None:
+        """The job as a status read needs it: its STATUS_FIELDS, never its payload (which
+        can be megabytes; the job's payload holds its `meta` only: Job.from_status)."""
+        key = shard_of(request_id).request(request_id)
+        values = await self.redis.hmget(key, STATUS_FIELDS)
+        if values[0] is not None and values[-1] is None:  # a hash from before `meta`
+            values[-1] = await self.redis.hget(key, "payload")
+        return Job.from_status(request_id, values)
+
     async def read(self, request_id: str) -> tuple[Job | None, str | None, QueueStanding | None]:
-        """The job with what goes with its state, read at one instant (one script): if it
-        has ended, its record (JSON) while the results stream still holds it (until the
-        binders stored it); if it is queued, where it stands. A job read as queued always
-        has its standing: two reads would leave a window in which a dispatcher takes it
-        between them (queued, but no longer in any queue)."""
+        """The job (as status() reads it) with what goes with its state, read at one
+        instant (one script): if it has ended, its record (JSON) while the results stream
+        still holds it (until the binders stored it); if it is queued, where it stands. A
+        job read as queued always has its standing: two reads would leave a window in which
+        a dispatcher takes it between them (queued, but no longer in any queue)."""
         call = scripts.Read(shard_of(request_id), request_id)
-        fields, record, standing = await self._read(keys=call.keys(), args=call.args())
-        if not fields:
+        values, record, standing = await self._read(keys=call.keys(), args=call.args())
+        job = Job.from_status(request_id, values) if values else None
+        if job is None:
             return None, None, None
-        h = dict(zip(fields[::2], fields[1::2], strict=True))
-        return Job.from_hash(request_id, h), record or None, _standing(standing)
+        return job, record or None, _standing(standing)
 
     async def load_with_end(self, request_id: str) -> tuple[Job | None, str | None]:
         """The job and, if it has ended, its record (JSON) while the results stream still

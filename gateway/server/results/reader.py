@@ -113,8 +113,9 @@ class ResultReader:
         return NotFound("not_found", f"no request {request_id}")
 
     async def job(self, request_id: str, tenant: str | None) -> Job | None:
-        """The live job, if it exists and belongs to the tenant (None = any tenant)."""
-        job = await self.jobs.load(request_id)
+        """The live job, if it exists and belongs to the tenant (None = any tenant), as a
+        status read takes it (without its payload: JobStore.status)."""
+        job = await self.jobs.status(request_id)
         if job is None or (tenant is not None and job.tenant != tenant):
             return None
         return job

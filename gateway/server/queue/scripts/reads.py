@@ -1,12 +1,15 @@
-"""Reads of a request in one atomic call: where a queued one stands (QUEUE), its hash
-with its record or standing (READ)."""
+"""Reads of a request in one atomic call: where a queued one stands (QUEUE), its status
+fields with its record or standing (READ)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from gateway.protocol.redis_keys import Shard
+from gateway.server.queue.job import STATUS_FIELDS
 from gateway.server.queue.scripts.keys import read_keys, script_json
+
+assert STATUS_FIELDS[-1] == "meta"  # READ puts the payload in its place on an old hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +55,23 @@ return standing(a.prefix, a.id, h[2], h[3], h[4])
 )
 
 # KEYS, ARGV: as QUEUE.
-# The request's hash, in one atomic read with what goes with its state: {hash, the record
+# The request's status fields (STATUS_FIELDS, in that order: never its payload, which can
+# be megabytes), in one atomic read with what goes with its state: {fields, the record
 # (when it has ended and the results stream still holds it) or false, where it stands
 # (when it is queued, see _STANDING) or false}. One read: a request read as queued always
-# comes with its place, even when a dispatcher takes it a moment later.
+# comes with its place, even when a dispatcher takes it a moment later. A hash written
+# before `meta` existed has its payload read in its place (until such requests are gone).
 READ = (
     _STANDING
+    + "local NAMES = {"
+    + ", ".join(f"'{name}'" for name in STATUS_FIELDS)
+    + "}\n"
     + """
-local h = redis.call('HGETALL', KEYS[1])
+local h = redis.call('HMGET', KEYS[1], unpack(NAMES))
 local f = {}
-for i = 1, #h, 2 do f[h[i]] = h[i + 1] end
+for i, name in ipairs(NAMES) do f[name] = h[i] end
+if not f.state then return {false, false, false} end
+if not f.meta then h[#NAMES] = redis.call('HGET', KEYS[1], 'payload') or false end
 if f.state == 'queued' then
   local a = cjson.decode(ARGV[1])
   return {h, false, standing(a.prefix, a.id, f.model, f.band, f.tenant)}

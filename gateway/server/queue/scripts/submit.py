@@ -46,6 +46,7 @@ class Submission:
                 "id": new.request_id,
                 "created_at": number_text(new.created_at),
                 "deadline": number_text(new.deadline),
+                "meta": new.meta,
             }
             if new.idempotency:  # what the key holds: the submission's id and body hash
                 request["idem"] = json.dumps({"id": new.request_id, "hash": new.idempotency[1]})
@@ -96,8 +97,9 @@ class Submit:
 #   (Admission.script_arg), consumer to start it at once ('' = queue it), lease_ms (the
 #   length of that run's lease), running (the running event's data), light (start at once
 #   only if the tenant runs nothing of this model), run (the token of the run started at
-#   once), requests ({id, created_at, deadline, idem (what its idempotency key holds;
-#   absent: none)} each)), then its requests' payloads, one an argument.
+#   once), requests ({id, created_at, deadline, meta (what a status read answers from its
+#   payload: NewRequest.meta), idem (what its idempotency key holds; absent: none)} each)),
+#   then its requests' payloads, one an argument.
 # Returns per submission {'accepted'}, {'started'}, {'existing', value per request} or
 # {'full', reason, count}. The K requests of a submission are admitted together or not at
 # all.
@@ -238,7 +240,7 @@ local function submit(kb, ab)
   for i = 1, k do
     local r, body = requests[i], payload(i)
     local id = r.id
-    redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', body,
+    redis.call('HSET', REQ[i], 'model', model, 'tenant', tenant, 'band', band, 'payload', body, 'meta', r.meta or '{}',
       'size', string.len(body), 'created_at', r.created_at, 'deadline', r.deadline, 'emitted', 0, unpack(state))
     local queued = cjson.encode({request_id = id, model = model, created_at = tonumber(r.created_at)})
     if IDEM[i] then redis.call('SET', IDEM[i], r.idem, 'EX', a.idem_ttl) end
