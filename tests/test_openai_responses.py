@@ -388,6 +388,15 @@ def test_max_tool_calls_and_parallel_tool_calls_are_echoed(client) -> None:
     ("extra", "param"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "web_search", "external_web_access": True}]}, "tools[0].type"),
+        (
+            {
+                "tools": [
+                    {"type": "namespace", "name": "ns", "description": "d", "tools": [{"type": "custom", "name": "c"}]}
+                ]
+            },
+            "tools[0].tools[0].type",
+        ),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
             "tool_choice.type",
@@ -579,8 +588,8 @@ def test_conversation_and_previous_response_id_cannot_both_be_given(client) -> N
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
             "input[0].content[0].type",
         ),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
+        ({"include": ["file_search_call.results"]}, "include[0]"),
     ],
 )
 def test_what_is_not_served_is_refused_in_openais_error_shape(client, extra, param) -> None:
@@ -589,6 +598,94 @@ def test_what_is_not_served_is_refused_in_openais_error_shape(client, extra, par
     error = answer.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "unsupported_parameter", param)
+
+
+# The Codex CLI's optional asks (../shared/agent-requests/codex-0.171.0-first-call.json): served
+# without them, named in the answer's Warning header where one is not applied.
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"include": ["reasoning.encrypted_content"]}, "include reasoning.encrypted_content"),
+        ({"tools": [WEATHER, {"type": "web_search", "external_web_access": False}]}, "web_search"),
+        ({"client_metadata": {"session_id": "s-1", "x-codex-turn-metadata": "{}"}}, None),
+        ({"prompt_cache_key": "a-uuid"}, None),
+    ],
+)
+def test_an_optional_ask_is_served_without_it_and_named_in_a_warning(client, extra, named) -> None:
+    raw = client.responses.with_raw_response.create(
+        model=TOOLS_MODEL, input="Hi", max_output_tokens=2, store=False, extra_body=extra
+    )
+    response = raw.parse()
+    assert response.status in ("completed", "incomplete")
+    assert all(item.type != "reasoning" for item in response.output)  # (the include honoured as empty)
+    if named is None:
+        assert "warning" not in raw.headers
+    else:
+        assert (
+            raw.headers["warning"].startswith('299 - "accepted and not applied: ') and named in raw.headers["warning"]
+        )
+
+
+def test_a_web_search_the_client_can_do_without_is_not_offered_to_the_model(client) -> None:
+    search = {"type": "web_search", "external_web_access": False}
+    response = client.responses.create(model=TOOLS_MODEL, input="Hi", max_output_tokens=2, tools=[WEATHER, search])
+    assert [tool.type for tool in response.tools] == ["function"]
+
+
+# The stand-in that calls the first tool it is offered (model_repo/local/llm_agent).
+AGENT = "llm_agent"
+TRIGGER = "[call the first tool]"
+NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [{**WEATHER, "name": "close_agent", "strict": False}],
+}
+
+
+def test_a_namespaces_function_is_called_under_its_namespace_and_its_result_read(client) -> None:
+    first = client.responses.create(model=AGENT, input=TRIGGER, tools=[NAMESPACE, WEATHER], store=False)
+    (call,) = first.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "close_agent", "multi_agent_v1")
+    given_back = [
+        {"role": "user", "content": TRIGGER},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "namespace": call.namespace,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "closed"},
+    ]
+    second = client.responses.create(model=AGENT, input=given_back, tools=[NAMESPACE, WEATHER], store=False)
+    assert second.output_text == "The tool answered."
+
+
+def test_a_streamed_namespace_call_carries_its_namespace(client) -> None:
+    _, events = _stream(client, model=AGENT, input=TRIGGER, tools=[NAMESPACE], store=False)
+    (done,) = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    assert (done["name"], done["namespace"]) == ("close_agent", "multi_agent_v1")
+
+
+def test_the_tools_offered_may_change_between_turns(client) -> None:
+    first = client.responses.create(model=AGENT, input=TRIGGER, tools=[WEATHER], store=False)
+    (call,) = first.output
+    given_back = [
+        {"role": "user", "content": TRIGGER},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
+    second = client.responses.create(model=AGENT, input=given_back, tools=[NAMESPACE], store=False)
+    assert second.output_text == "The tool answered."
+
+
+def test_a_tool_description_of_claude_codes_length_is_taken(client) -> None:
+    long = {**WEATHER, "description": "Say what the weather is. " * 1700}  # (~42k characters)
+    response = client.responses.create(model=AGENT, input=TRIGGER, tools=[long], store=False)
+    assert [item.name for item in response.output] == ["get_weather"]
 
 
 def test_a_reasoning_that_asks_for_nothing_is_accepted(client) -> None:

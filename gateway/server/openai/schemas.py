@@ -67,7 +67,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "context_management": "context_management is not supported",
         "image": "image options are not supported: these models produce text",
         "prompt": "prompt templates are not supported",
-        "reasoning": "reasoning is not supported: these models do not reason (no effort, no summaries)",
         "truncation": "truncation auto is not supported: a prompt over the context is refused (disabled)",
     },
 }
@@ -306,7 +305,8 @@ class ResponseInputMessage(Body):
 
 
 class FunctionCallItem(Body):
-    """A function_call output item of an earlier response, given back as input."""
+    """A function_call output item of an earlier response, given back as input (`namespace`:
+    that of a function inside a namespace tool)."""
 
     type: Literal["function_call"]
     call_id: ItemId
@@ -314,6 +314,7 @@ class FunctionCallItem(Body):
     arguments: Text
     id: ItemId | None = None
     status: ItemStatus | None = None
+    namespace: FunctionName | None = None
 
 
 class FunctionCallOutputItem(Body):
@@ -324,6 +325,7 @@ class FunctionCallOutputItem(Body):
     output: Text | ContentParts
     id: ItemId | None = None
     status: ItemStatus | None = None
+    namespace: FunctionName | None = None  # (its call_id says which call it answers)
 
 
 class CompactionItem(Body):
@@ -362,14 +364,23 @@ ResponseInputItem = Annotated[
 
 
 class ResponseTool(Body):
-    """A tool offered: {type: function, name, description, parameters, strict}. Other tool
-    types (web_search, file_search, custom, ...) are refused by their type."""
+    """A tool offered: {type: function, name, description, parameters, strict}; a namespace
+    ({type: namespace, name, description, tools: [functions]}: functions grouped under a
+    name, OpenAI's NamespaceTool); a web_search the client marks as not reaching the web
+    (external_web_access false: not offered, responses/call.py). Other tool types
+    (web_search that searches, file_search, custom, ...) are refused by their type."""
 
     type: str = Field(default="function", max_length=64)
     name: FunctionName | None = None  # required for a function (responses/call.py says so by name)
     description: Text | None = None
     parameters: StorableDict | None = None
     strict: bool | None = None
+    tools: list[ResponseTool] | None = Field(default=None, max_length=128)  # a namespace's
+    external_web_access: bool | None = None  # web_search
+    # web_search's options (read only where it would be offered, which it never is here).
+    search_context_size: str | None = Field(default=None, max_length=16)
+    user_location: StorableDict | None = None
+    filters: StorableDict | None = None
 
 
 class ResponseToolChoice(Body):
@@ -407,6 +418,18 @@ MAX_INPUT_ITEMS = 2048
 InputItems = Annotated[list[ResponseInputItem], Field(max_length=MAX_INPUT_ITEMS)]
 
 
+class ReasoningConfig(Body):
+    """How much a reasoning model thinks and whether it sums its thinking up: these models
+    do not reason, so a response is served without reasoning items (accepted, ignored)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (the older name)
+
+
+ClientMetadata = Annotated[dict[MetadataKey, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=32)]
+
+
 class ResponseRequest(Body):
     model: str = Field(max_length=128)
     input: Text | InputItems
@@ -435,6 +458,9 @@ class ResponseRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(default=None, ge=1, le=128)
+    reasoning: ReasoningConfig | None = None  # (accepted, ignored)
+    # The client's own labels of the call (the Codex CLI's session and turn): accepted, not kept.
+    client_metadata: ClientMetadata | None = None
 
 
 class ResponseCompactRequest(Body):

@@ -25,6 +25,7 @@ from gateway.server.openai.responses.settings import (
     ResponseSettings,
     invalid,
     response_id,
+    settings_names,
 )
 from gateway.server.openai.responses.store import (
     ConversationStore,
@@ -37,6 +38,7 @@ from gateway.server.openai.schemas import (
     INCLUDE_LOGPROBS,
     Message,
     ResponseRequest,
+    ResponseTool,
     refuse_unsupported,
     unsupported,
 )
@@ -97,46 +99,78 @@ def _conversation_id(body: ResponseRequest) -> str | None:
     return found if isinstance(found, str) or found is None else found.id
 
 
+def _function(tool: ResponseTool, where: str) -> dict[str, Any]:
+    if tool.type != "function":
+        raise unsupported(
+            f"{where}.type",
+            f"tools of type {tool.type} are not supported: only function tools (your code runs them), namespaces "
+            "of them, and web_search with external_web_access false (not offered)",
+        )
+    if tool.name is None:
+        raise invalid(f"{where}.name", f"{where}.name: a function tool needs its name")
+    strict = True if tool.strict is None else tool.strict
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": strict,
+    }
+
+
 def _tools(body: ResponseRequest) -> list[dict[str, Any]]:
-    """The function tools offered, as the response object shows them; other types refused."""
+    """The tools offered, as the response object shows them: functions, and namespaces of
+    functions; a web_search that may not reach the web is left out (the client marks it as
+    one it can do without); other types refused."""
     tools: list[dict[str, Any]] = []
     for index, tool in enumerate(body.tools or []):
-        if tool.type != "function":
-            raise unsupported(
-                f"tools[{index}].type",
-                f"tools of type {tool.type} are not supported: only function tools (your code runs them)",
-            )
-        if tool.name is None:
-            raise invalid(f"tools[{index}].name", f"tools[{index}].name: a function tool needs its name")
-        strict = True if tool.strict is None else tool.strict
-        tools.append(
-            {
-                "type": "function",
-                "name": tool.name,
-                "description": tool.description,
-                "parameters": tool.parameters,
-                "strict": strict,
-            }
-        )
+        where = f"tools[{index}]"
+        if tool.type == "web_search" and tool.external_web_access is False:
+            continue  # (no search index here either: the model is not offered it)
+        if tool.type == "namespace":
+            if tool.name is None or not tool.tools:
+                raise invalid(where, f"{where}: a namespace tool needs its name and tools")
+            inner = [_function(t, f"{where}.tools[{n}]") for n, t in enumerate(tool.tools)]
+            tools.append({"type": "namespace", "name": tool.name, "description": tool.description, "tools": inner})
+            continue
+        tools.append(_function(tool, where))
+    names = set(settings_names(tools))
     choice = body.tool_choice
     if choice is not None and not isinstance(choice, str):
         if choice.type != "function":
             raise unsupported("tool_choice.type", f"tool_choice of type {choice.type} is not supported: use function")
         if choice.name is None:
             raise invalid("tool_choice.name", "tool_choice.name: name the function to call")
-        if choice.name not in {t["name"] for t in tools}:
+        if choice.name not in names:
             raise invalid("tool_choice", f"tool_choice names {choice.name}, which is not in tools")
     elif choice == "required" and not tools:
         raise invalid("tool_choice", "tool_choice required needs tools")
     return tools
 
 
-def _refuse_reasoning(body: ResponseRequest) -> None:
-    """A `reasoning` that asks for nothing (every option null) is no refusal."""
-    extra = body.model_extra
-    reasoning = extra.get("reasoning") if extra else None
-    if extra is not None and isinstance(reasoning, dict) and all(v is None for v in reasoning.values()):
-        del extra["reasoning"]
+# What Responses asks of a model that reasons: its encrypted reasoning items, given back on
+# the next turn. There are none here: honoured as empty (no reasoning item in the output).
+INCLUDE_REASONING = "reasoning.encrypted_content"
+
+
+def ignored(body: ResponseRequest) -> list[str]:
+    """The optional asks accepted and not applied (the README's table), as the response's
+    Warning header names them."""
+    found = []
+    if body.reasoning is not None and any(v is not None for v in body.reasoning.model_dump().values()):
+        found.append("reasoning")
+    if INCLUDE_REASONING in (body.include or []):
+        found.append(f"include {INCLUDE_REASONING}")
+    if any(tool.type == "web_search" and tool.external_web_access is False for tool in body.tools or []):
+        found.append("tools web_search (external_web_access false: not offered)")
+    return found
+
+
+def warning(names: list[str]) -> dict[str, str]:
+    """RFC 9111's Warning header (299: a persistent warning) naming what was not applied."""
+    if not names:
+        return {}
+    return {"warning": f'299 - "accepted and not applied: {", ".join(names)} (these models do not reason)"'}
 
 
 class Call:
@@ -152,6 +186,7 @@ class Call:
         context: list[dict[str, Any]] | None = None,
     ) -> None:
         self.native, self.settings, self.items, self.chain = native, settings, items, chain
+        self.ignored: list[str] = []  # the optional asks accepted and not applied (ignored())
         self.context = context or []  # the items given before its own (chain or conversation)
         self.context_bytes = sum(item_bytes(item) for item in self.context)
 
@@ -191,12 +226,14 @@ async def response_call(
     adapter = common.llm(svc, body.model, chat=True)
     items = input_items(body)
     tools = _tools(body)
-    _refuse_reasoning(body)
     refuse_unsupported(body, "responses")
     run_as = common.tier(body.service_tier)
     for index, item in enumerate(body.include or []):
-        if item != INCLUDE_LOGPROBS:
-            raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
+        if item not in (INCLUDE_LOGPROBS, INCLUDE_REASONING):
+            raise unsupported(
+                f"include[{index}]",
+                f"include {item} is not supported: only {INCLUDE_LOGPROBS} (and {INCLUDE_REASONING}, empty here)",
+            )
     if body.store is False and body.background:
         raise invalid("store", "a background response needs store: true (it is read back by its id)")
     if body.stream_options is not None and not body.stream:
@@ -265,7 +302,9 @@ async def response_call(
         priority=run_as.priority,
         timeout_s=common.timeout_for(svc, run_as),
     )
-    return Call(request, settings, items, chain, context)
+    call = Call(request, settings, items, chain, context)
+    call.ignored = ignored(body)
+    return call
 
 
 async def keep(svc: Services, who: Caller, call: Call, request_id: str, model: str, *, resumable: bool = False) -> None:

@@ -17,7 +17,7 @@ from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai import common
 from gateway.server.openai.paging import ItemsPage, items_page, page_after
-from gateway.server.openai.responses.call import keep, response_call
+from gateway.server.openai.responses.call import keep, response_call, warning
 from gateway.server.openai.responses.chains import (
     chain_items,
     conversation_items,
@@ -71,7 +71,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
     if body.stream:  # a stream past the tenant's share of followers: refused before anything is queued
         svc.events.admissible(who.tenant)
     (request_id,) = await common.start(svc, who, request, [call.native], flex=common.tier(body.service_tier).flex)
-    headers = {"x-request-id": request_id}
+    headers = {"x-request-id": request_id, **warning(call.ignored)}
     await keep(svc, who, call, request_id, body.model)
     tpb = common.tokens_per_block(svc, body.model)
     fmt = common.tool_format(svc, body.model)

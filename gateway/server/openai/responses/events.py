@@ -15,6 +15,7 @@ from gateway.server.openai.responses.items import (
 from gateway.server.openai.responses.objects import blank_object, response_object
 from gateway.server.openai.responses.settings import (
     ResponseSettings,
+    namespaces,
 )
 from gateway.server.results.events import StreamEvent
 from gateway.server.services import Services
@@ -43,7 +44,7 @@ class ResponseEvents:
         self.tool_format = tool_format
         self.obfuscate = obfuscate
         self.sequence = -1
-        self.output = Output(request_id, settings.plan(tool_format), settings.max_calls)
+        self.output = Output(request_id, settings.plan(tool_format), settings.max_calls, namespaces(settings.tools))
 
     def _event(self, kind: str, **fields: Any) -> tuple[int, dict[str, Any]]:
         self.sequence += 1

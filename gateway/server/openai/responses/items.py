@@ -15,6 +15,8 @@ from gateway.server.openai.chat import ChatPlan
 from gateway.server.openai.responses.settings import (
     ResponseSettings,
     invalid,
+    namespaces,
+    qualified,
 )
 from gateway.server.openai.schemas import (
     INCLUDE_LOGPROBS,
@@ -74,6 +76,8 @@ def items_of(given_items: list[Any], model: str = "this model", param: str = "in
             item: dict[str, Any] = {"type": "message", "role": given.role, "content": content}
         elif isinstance(given, FunctionCallItem):
             item = {"type": "function_call", "call_id": given.call_id, "name": given.name, "arguments": given.arguments}
+            if given.namespace is not None:
+                item["namespace"] = given.namespace
         elif isinstance(given, FunctionCallOutputItem):
             output = given.output
             shaped = output if isinstance(output, str) else _parts(output, f"{where}.output", model)
@@ -127,7 +131,8 @@ def chat_messages(items: list[dict[str, Any]], summaries: dict[str, str] | None 
         elif kind == "message":
             shaped.append({"role": item["role"], "content": _text_of(item["content"]), "tool_calls": []})
         elif kind == "function_call":
-            call = ToolCall(id=item["call_id"], function=CalledFunction(name=item["name"], arguments=item["arguments"]))
+            name = qualified(item.get("namespace"), item["name"])  # (as the model was offered it)
+            call = ToolCall(id=item["call_id"], function=CalledFunction(name=name, arguments=item["arguments"]))
             last = shaped[-1] if shaped else None
             if last is not None and last["role"] == "assistant":
                 last["tool_calls"].append(call)
@@ -162,8 +167,11 @@ class Output:
     call, in the order they begin. The same for a stream and for a finished record, so both
     read alike."""
 
-    def __init__(self, request_id: str, plan: ChatPlan, max_calls: int) -> None:
+    def __init__(
+        self, request_id: str, plan: ChatPlan, max_calls: int, spaces: dict[str, tuple[str, str]] | None = None
+    ) -> None:
         self.request_id = request_id
+        self.spaces = spaces or {}  # a namespace's functions, by the name the model calls
         self.plan = plan
         self.max_calls = max_calls
         self.parser = (
@@ -273,6 +281,8 @@ class Output:
             "name": call.name,
             "arguments": "",
         }
+        if call.name in self.spaces:  # answered under the names the client gave
+            item["namespace"], item["name"] = self.spaces[call.name]
         self.items.append(item)
         added = copy.deepcopy(item)
         item.update(arguments=call.arguments, status=status)
@@ -287,7 +297,7 @@ class Output:
 
 def output_of(record: ResultRecord, settings: ResponseSettings, tool_format: toolcalls.ToolFormat | None) -> Output:
     """The output items of a finished (or failed) request, read from its record."""
-    output = Output(record.request_id, settings.plan(tool_format), settings.max_calls)
+    output = Output(record.request_id, settings.plan(tool_format), settings.max_calls, namespaces(settings.tools))
     if record.started_at is not None or record.status == State.SUCCEEDED:
         output.start()  # (as the stream did when it began)
     output.feed(str((record.outputs or {}).get("text_output") or ""))

@@ -72,8 +72,9 @@ class ResponseSettings(BaseModel):
     service_tier: str = "default"
 
     def plan(self, tool_format: toolcalls.ToolFormat | None) -> ChatPlan:
-        """How the output is read: chat completions' plan for these tools and this choice."""
-        offered = [_chat_tool(tool) for tool in self.tools]
+        """How the output is read: chat completions' plan for these tools and this choice
+        (a namespace's functions offered by their qualified names)."""
+        offered = [_chat_tool(tool, name) for name, tool in functions(self.tools).items()]
         choice = self.tool_choice
         forced = isinstance(choice, dict) or choice == "required"
         if isinstance(choice, dict):
@@ -92,10 +93,45 @@ class ResponseSettings(BaseModel):
         return 1 if not self.parallel_tool_calls else self.max_tool_calls or MAX_TOOL_CALLS
 
 
-def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+def _chat_tool(tool: dict[str, Any], name: str) -> dict[str, Any]:
     """A Responses function tool in chat completions' shape (what the templates render)."""
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-    return {"type": "function", "function": function}
+    function = {k: tool[k] for k in ("description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+# A namespace's function as the model is offered it and calls it: `namespace.name` (OpenAI's
+# model sees the namespace; a chat template sees one flat list of functions).
+NAMESPACE_SEPARATOR = "."
+
+
+def qualified(namespace: str | None, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+def functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every function offered, by the name the model calls it (a namespace's qualified)."""
+    found: dict[str, dict[str, Any]] = {}
+    for tool in tools:
+        if tool.get("type") == "namespace":
+            for inner in tool.get("tools") or []:
+                found[qualified(tool["name"], inner["name"])] = inner
+        else:
+            found[tool["name"]] = tool
+    return found
+
+
+def settings_names(tools: list[dict[str, Any]]) -> list[str]:
+    return list(functions(tools))
+
+
+def namespaces(tools: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """A namespace's functions: the name the model calls -> (namespace, the function's name)."""
+    return {
+        qualified(tool["name"], inner["name"]): (tool["name"], inner["name"])
+        for tool in tools
+        if tool.get("type") == "namespace"
+        for inner in tool.get("tools") or []
+    }
 
 
 # Labels the gateway keeps with a response's record (not the caller's metadata).
