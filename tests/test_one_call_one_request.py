@@ -10,6 +10,8 @@ import os
 import time
 
 import numpy as np
+import pytest
+from tritonclient.grpc import InferInput, InferRequestedOutput
 
 from tests.gateway_calls import wait_result
 
@@ -47,6 +49,26 @@ async def test_a_many_input_calls_usage_is_the_sum_of_its_inputs_own_token_count
 
     alone = [await tokens(text) for text in texts]
     assert await tokens(texts) == sum(alone) and len(set(alone)) == 3
+
+
+@pytest.mark.parametrize("model", ["text_embed", "clip_text"])
+async def test_an_embeddings_calls_usage_is_the_models_own_count_of_its_texts_tokens(http, triton, model) -> None:
+    """The model answers each text's tokens with its vector (num_tokens); the usage is theirs,
+    a long text's too (truncated where the model truncates it, not where a tokenizer.json
+    of the gateway's would), whether the call has one input or many."""
+    texts = ["a cat", "word " * 400, "sentence number 7 about ships and the rain over the harbour"]
+    batch = InferInput("text", [len(texts), 1], "BYTES")
+    batch.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_).reshape(-1, 1))
+    answer = await triton.infer(model, [batch], outputs=[InferRequestedOutput("num_tokens")])
+    counts = answer.as_numpy("num_tokens").reshape(-1).tolist()
+
+    async def usage(value: str | list[str]) -> int:
+        response = await http.post("/v1/embeddings", json={"model": model, "input": value})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    assert [await usage(text) for text in texts] == counts
+    assert await usage(texts) == sum(counts)
 
 
 async def test_a_many_input_calls_vectors_are_each_inputs_own_as_a_call_of_one_gives_it(http) -> None:

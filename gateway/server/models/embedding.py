@@ -33,6 +33,14 @@ from gateway.server.models.inputs import (
 # limit (MAX_BODY_BYTES) bounds their text together.
 MAX_INPUTS = 2048
 Text = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS)]
+# A token of a tokenizer's output covers at least one character of its normalised text
+# (WordPiece) or one byte (byte-level BPE), and normalising (NFC or NFD, lower case) makes a
+# text at most 3 times as many UTF-8 bytes; an ASCII text's normalised form is no longer than
+# itself. So a text's tokens are at most its characters (ASCII) or this many times its bytes,
+# plus the special tokens the tokenizer adds: admission's bound for a model that counts itself.
+NON_ASCII_TOKENS_A_BYTE = 4
+# Special tokens assumed added where no tokenizer says how many ([CLS]/[SEP], BOS/EOS: 2).
+SPECIAL_TOKENS_MOST = 4
 Image = Annotated[str, StringConstraints(max_length=MAX_IMAGE_BASE64)]
 
 
@@ -88,6 +96,8 @@ class EmbeddingRun(Run):
         self.vector: list[float] | None = None
         # A many-input request's vectors: float32, one row per input, as Triton sent them.
         self.matrix: np.ndarray | None = None
+        # The inputs' tokens as the model counted them (its count_output), when it answered it.
+        self.tokens: int | None = None
 
     @property
     def many(self) -> bool:
@@ -112,7 +122,8 @@ class EmbeddingRun(Run):
         return [batch]
 
     def outputs(self) -> list[InferRequestedOutput]:
-        return [InferRequestedOutput(self.adapter.output_name)]
+        names = [self.adapter.output_name] + ([self.adapter.count_output] if self.adapter.count_output else [])
+        return [InferRequestedOutput(name) for name in names]
 
     def batch_row(self) -> BatchRow:
         rows = self._rows()
@@ -120,6 +131,9 @@ class EmbeddingRun(Run):
 
     def take(self, result: InferResult) -> list:
         found = result.as_numpy(self.adapter.output_name)
+        counts = result.as_numpy(self.adapter.count_output) if self.adapter.count_output else None
+        # (Rows of a shared call, replicas/batching.py, carry the vectors only: None here.)
+        self.tokens = int(counts.sum()) if counts is not None else None
         if self.many:
             rows = len(self._rows()) if found is None else found.shape[0]
             self.matrix = np.ascontiguousarray(np.asarray(found, dtype="<f4").reshape(rows, -1))
@@ -128,15 +142,24 @@ class EmbeddingRun(Run):
         return []
 
     def final(self) -> tuple[dict[str, Any], Usage | None]:
-        """The vector (a many-input request: its vectors packed as float32 bytes); the usage
-        (the text's tokens) was counted once at submission and comes from the request
-        (Runner.partial)."""
+        """The vector (a many-input request: its vectors packed as float32 bytes) and the usage.
+        A model that counts its inputs' tokens (count_output) settles the usage here, to the
+        count it answered (or, where its answer came without it, the gateway's tokenizer's),
+        replacing the upper bound admission reserved; otherwise the tokens were counted
+        exactly at submission and come from the request (Runner.partial)."""
         name = self.adapter.output_name
+        usage = self._usage()
         if self.matrix is not None:
             rows, dim = self.matrix.shape
-            return {name: packed(self.matrix.tobytes(), rows, dim)}, None
+            return {name: packed(self.matrix.tobytes(), rows, dim)}, usage
         outputs = {name: self.vector} if self.vector is not None else {}
-        return outputs, None
+        return outputs, usage
+
+    def _usage(self) -> Usage | None:
+        if self.adapter.count_output is None:
+            return None
+        tokens = self.tokens if self.tokens is not None else self.adapter.count_tokens(self.prepared)
+        return Usage(prompt_tokens=tokens) if tokens is not None else None
 
 
 class EmbeddingAdapter(ModelAdapter):
@@ -152,11 +175,22 @@ class EmbeddingAdapter(ModelAdapter):
         space: str | None,
         dimensions: int | None = None,
         tokenizer_dir: str | None = None,
+        count_output: str | None = None,
+        max_input_tokens: int | None = None,
     ) -> None:
         super().__init__(name, triton_model)
         # The model's tokenizer, where one is configured, only to count usage.
         self.tokenizer = _load_tokenizer(tokenizer_dir)
         self.input_kind = input_kind  # "text" or "image"
+        # The output that carries each text's tokens as the model's own tokenizer counted
+        # them: the usage then comes from it and the gateway tokenizes nothing on the way.
+        self.count_output = count_output if input_kind == "text" else None
+        # The most tokens the model counts for one text (its truncation), if known.
+        self.max_input_tokens = max_input_tokens
+        if self.tokenizer is not None and max_input_tokens is not None:
+            # Where the gateway counts, it counts what the model embeds: its truncation.
+            self.tokenizer.enable_truncation(max_input_tokens)
+        self._specials = len(self.tokenizer.encode("").ids) if self.tokenizer is not None else SPECIAL_TOKENS_MOST
         self.input_name = "image" if input_kind == "image" else "text"
         self.output_name = output_name
         self.space = space
@@ -192,7 +226,17 @@ class EmbeddingAdapter(ModelAdapter):
         return EmbeddingRun(self, prepared)
 
     def prompt_tokens(self, prepared: Prepared) -> int | None:
-        return self.count_tokens(prepared)
+        """What admission charges: the exact count, or, for a model that counts itself, an
+        upper bound from the texts' lengths (never below the count; settled in final())."""
+        if self.count_output is None:
+            return self.count_tokens(prepared)
+        if isinstance(prepared, TextListInputs):
+            return sum(self._most_tokens(text) for text in prepared.text)
+        return self._most_tokens(prepared.text) if isinstance(prepared, TextInputs) else None
+
+    def _most_tokens(self, text: str) -> int:
+        most = self._specials + (len(text) if text.isascii() else NON_ASCII_TOKENS_A_BYTE * len(text.encode()))
+        return most if self.max_input_tokens is None else min(most, self.max_input_tokens)
 
     def count_tokens(self, prepared: Prepared) -> int | None:
         if self.tokenizer is None:

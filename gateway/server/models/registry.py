@@ -9,6 +9,8 @@ its Triton name, kind, inputs, embedding space, and how a running request is sto
     input = "text"              # embedding: text | image
     output = "embedding"        # embedding: the output tensor
     space = "minilm"            # embedding: vector-index space (optional)
+    count_output = "num_tokens" # embedding: each text's token count as the model answers it (optional)
+    max_input_tokens = 256      # embedding: the most tokens the model counts a text (its truncation)
 
     [[model]]
     name = "llm"
@@ -84,7 +86,8 @@ LOCAL_PROFILE = [
         name="llm_agent", kind="llm", mode="engine", tokenizer="$LLM_MODEL_DIR", context_length=131072, cache_salt=True
     ),
     ModelSpec(name="clip_image", kind="embedding", input="image", output="image_embeds", space="clip"),
-    # (Their tokenizers only count usage; the launcher says where they are.)
+    # (They count their texts' tokens themselves, num_tokens; the gateway's tokenizers only
+    # count where an answer comes without it, and bound admission's reservation by the cap.)
     ModelSpec(
         name="clip_text",
         kind="embedding",
@@ -92,6 +95,8 @@ LOCAL_PROFILE = [
         output="text_embeds",
         space="clip",
         tokenizer="$CLIP_MODEL_DIR",
+        count_output="num_tokens",
+        max_input_tokens=77,
     ),
     ModelSpec(
         name="text_embed",
@@ -101,6 +106,8 @@ LOCAL_PROFILE = [
         space="minilm",
         dimensions=384,
         tokenizer="$TEXT_EMBED_MODEL_DIR",
+        count_output="num_tokens",
+        max_input_tokens=256,  # the model's max_length (model_repo/local/text_embed)
     ),
 ]
 
@@ -129,6 +136,8 @@ def _adapter(spec: ModelSpec) -> ModelAdapter:
             space=spec.space,
             dimensions=spec.dimensions,
             tokenizer_dir=os.path.expandvars(spec.tokenizer) if spec.tokenizer else None,
+            count_output=spec.count_output,
+            max_input_tokens=spec.max_input_tokens,
         )
     if spec.mode == "engine":
         return EngineLlmAdapter(spec, triton_model, tokenizer_dir=os.path.expandvars(spec.tokenizer or ""))

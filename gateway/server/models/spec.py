@@ -19,6 +19,11 @@ class ModelSpec(BaseModel):
     output: str = "embedding"
     space: str | None = None
     dimensions: int | None = None
+    # A text model's output that carries each input's tokens as its own tokenizer counted
+    # them (the local text_embed and clip_text: num_tokens): the usage comes from it, the
+    # gateway only bounds it at admission (from the text's length, capped by max_input_tokens:
+    # for an embedding model the most tokens it counts for one text, its truncation).
+    count_output: str | None = None
     # llm
     mode: Literal["engine", "llmapi", "ensemble"] = "ensemble"
     stop_model: str | None = None

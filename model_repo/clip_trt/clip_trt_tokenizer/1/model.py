@@ -1,4 +1,5 @@
-"""Triton python model: text -> CLIP input_ids and attention_mask, [77] int32 each.
+"""Triton python model: text -> CLIP input_ids and attention_mask, [77] int32 each, and
+num_tokens [1] int32 (each text's own tokens: the gateway's usage).
 
 Padded and truncated to CLIP's 77 positions, so every request has the plan's fixed shape.
 """
@@ -45,6 +46,11 @@ class TritonPythonModel:
         for request in requests:
             texts = texts_of(pb_utils.get_input_tensor_by_name(request, "text").as_numpy())
             input_ids, attention_mask = tokenize(self.tokenizer, texts)
-            tensors = [pb_utils.Tensor("input_ids", input_ids), pb_utils.Tensor("attention_mask", attention_mask)]
+            counts = attention_mask.sum(axis=1, dtype=np.int32).reshape(-1, 1)
+            tensors = [
+                pb_utils.Tensor("input_ids", input_ids),
+                pb_utils.Tensor("attention_mask", attention_mask),
+                pb_utils.Tensor("num_tokens", counts),
+            ]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses

@@ -22,11 +22,15 @@ class TritonPythonModel:
         texts = [t.decode("utf-8", errors="replace") for batch in per_request for t in batch]
         encoded = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="np")
         ids, mask = encoded["input_ids"].astype(np.int64), encoded["attention_mask"].astype(np.int64)
+        counts = mask.sum(axis=1, dtype=np.int32).reshape(-1, 1)
         responses, start = [], 0
         for batch in per_request:
             end = start + len(batch)
-            responses.append(
-                pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids[start:end]), pb_utils.Tensor("attention_mask", mask[start:end])])
-            )
+            tensors = [
+                pb_utils.Tensor("input_ids", ids[start:end]),
+                pb_utils.Tensor("attention_mask", mask[start:end]),
+                pb_utils.Tensor("num_tokens", counts[start:end]),
+            ]
+            responses.append(pb_utils.InferenceResponse(tensors))
             start = end
         return responses

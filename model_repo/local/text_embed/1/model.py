@@ -69,11 +69,17 @@ class TritonPythonModel:
         flat = [t for batch in texts for t in batch]
         encoded = self.tokenizer(flat, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         ids, mask = encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
+        counts = encoded["attention_mask"].sum(dim=1, dtype=torch.int32).numpy().reshape(-1, 1)
         with torch.inference_mode():
             out = self.graphs(ids, mask) if self.graphs is not None else pooled(self.model, ids, mask)
             embeds = out.cpu().numpy().astype(np.float32)
         responses, start = [], 0
         for batch in texts:
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("embedding", embeds[start : start + len(batch)])]))
-            start += len(batch)
+            end = start + len(batch)
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("embedding", embeds[start:end]), pb_utils.Tensor("num_tokens", counts[start:end])]
+                )
+            )
+            start = end
         return responses
