@@ -61,6 +61,7 @@ from gateway.server.models.base import (
     tensor,
 )
 from gateway.server.models.inputs import MAX_TEXT_CHARS, EngineParameters, Strict, Word
+from gateway.server.models.sampling import sampling_tensors
 
 if TYPE_CHECKING:
     from gateway.server.models.spec import ModelSpec
@@ -70,6 +71,16 @@ Content = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
 # limit (16 MiB) less what a request's body may bring (MAX_BODY_BYTES, 8 MiB by default)
 # and room for the rest of the record. A request that could make more is refused.
 LOGPROBS_BUDGET_BYTES = 7 * 1024 * 1024
+# The sampling parameters the engine takes, as its inputs name them (models/sampling.py).
+ENGINE_SAMPLING = {
+    "temperature": "temperature",
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+}
 
 
 def logprobs_bound(positions: int, top: int, token_bytes: int) -> int:
@@ -214,26 +225,9 @@ class EngineRun(Run):
             if array is not None:
                 items.append(tensor(name, array, "INT32"))
         s = p.parameters
-        scalars = (
-            ("temperature", s.temperature, np.float32, "FP32"),
-            ("runtime_top_k", s.top_k, np.int32, "INT32"),
-            ("runtime_top_p", s.top_p, np.float32, "FP32"),
-            ("repetition_penalty", s.repetition_penalty, np.float32, "FP32"),
-            ("presence_penalty", s.presence_penalty, np.float32, "FP32"),
-            ("frequency_penalty", s.frequency_penalty, np.float32, "FP32"),
-            ("seed", s.seed, np.uint64, "UINT64"),
-            (
-                "cache_salt_id",
-                salt_id(s.cache_salt) if s.cache_salt and self.adapter.spec.cache_salt else None,
-                np.uint64,
-                "UINT64",
-            ),
-        )
-        for name, value, dtype, datatype in scalars:
-            if value is not None and name == "seed":  # (random unless the caller chose one: never shared)
-                items.append(tensor(name, np.array([[value]], dtype=dtype), datatype))
-            elif value is not None:
-                items.append(scalar_tensor(name, value, dtype, datatype))
+        items += sampling_tensors(s, ENGINE_SAMPLING, shared=True)
+        if s.cache_salt and self.adapter.spec.cache_salt:
+            items.append(scalar_tensor("cache_salt_id", salt_id(s.cache_salt), np.uint64, "UINT64"))
         flags = (
             ("return_log_probs", s.logprobs),
             ("return_generation_logits", s.top_logprobs > 0),

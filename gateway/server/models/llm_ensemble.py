@@ -14,6 +14,16 @@ from gateway.server.llm.stops import StopMatcher
 from gateway.server.llm.tokenizer import LlmTokenizer
 from gateway.server.models.base import ModelAdapter, Piece, Resume, Run, check, tensor
 from gateway.server.models.inputs import LlmInputs, LlmParameters
+from gateway.server.models.sampling import sampling_tensors
+
+# The sampling parameters the ensemble takes, as its inputs name them (models/sampling.py).
+ENSEMBLE_SAMPLING = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "random_seed",
+}
 
 
 class LlmRequest:
@@ -53,17 +63,7 @@ class EnsembleRun(Run):
         for name, words in (("stop_words", inputs.stop_words), ("bad_words", inputs.bad_words)):
             if words:
                 items.append(tensor(name, np.array([[w.encode("utf-8") for w in words]], dtype=np.object_), "BYTES"))
-        scalars = (
-            ("temperature", parameters.temperature, np.float32, "FP32"),
-            ("top_k", parameters.top_k, np.int32, "INT32"),
-            ("top_p", parameters.top_p, np.float32, "FP32"),
-            ("repetition_penalty", parameters.repetition_penalty, np.float32, "FP32"),
-            ("random_seed", parameters.seed, np.uint64, "UINT64"),
-        )
-        for name, value, dtype, datatype in scalars:
-            if value is not None:
-                items.append(tensor(name, np.array([[value]], dtype=dtype), datatype))
-        return items
+        return items + sampling_tensors(parameters, ENSEMBLE_SAMPLING)
 
     def outputs(self) -> list[InferRequestedOutput]:
         names = ["text_output"]

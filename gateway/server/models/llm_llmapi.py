@@ -39,6 +39,7 @@ from gateway.protocol import Usage
 from gateway.server.models.base import InvalidInput, Piece, Resume, Run, check, tensor
 from gateway.server.models.inputs import EngineParameters
 from gateway.server.models.llm_engine import EngineInputs, EngineLlmAdapter, EngineRequest
+from gateway.server.models.sampling import sampling_tensors
 
 if TYPE_CHECKING:
     from gateway.server.models.spec import ModelSpec
@@ -47,6 +48,12 @@ if TYPE_CHECKING:
 # sends CompletionOutput.text); False, only the text new since the previous response.
 TEXT_SO_FAR = True
 _UNFINISHED = "\ufffd"
+# The sampling parameters the llmapi model takes (its helpers.py), as its inputs name them
+# (models/sampling.py); a repetition penalty, which it cannot take, is refused by name.
+LLMAPI_SAMPLING = {
+    name: f"sampling_param_{name}"
+    for name in ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty")
+}
 
 
 @dataclass
@@ -100,19 +107,7 @@ class LlmapiRun(Run):
         if p.inputs.stop_words:
             words = [w.encode("utf-8") for w in p.inputs.stop_words]
             items.append(_vector("sampling_param_stop", words, np.object_, "BYTES"))
-        s = p.parameters
-        scalars = (
-            ("sampling_param_temperature", s.temperature, np.float32, "FP32"),
-            ("sampling_param_top_k", s.top_k, np.int32, "INT32"),
-            ("sampling_param_top_p", s.top_p, np.float32, "FP32"),
-            ("sampling_param_seed", s.seed, np.uint64, "UINT64"),
-            ("sampling_param_presence_penalty", s.presence_penalty, np.float32, "FP32"),
-            ("sampling_param_frequency_penalty", s.frequency_penalty, np.float32, "FP32"),
-        )
-        for name, value, dtype, datatype in scalars:
-            if value is not None:
-                items.append(_vector(name, [value], dtype, datatype))
-        return items
+        return items + sampling_tensors(p.parameters, LLMAPI_SAMPLING, batched=False)
 
     def outputs(self) -> list[InferRequestedOutput]:
         names = ("text_output", "finish_reason", "stop_reason", "kv_cache_reused_block")
