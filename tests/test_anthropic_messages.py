@@ -414,3 +414,29 @@ def test_a_prompt_over_the_context_is_anthropics_prompt_is_too_long(client) -> N
     error = refused.value.body["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "prompt_too_long"
     assert re.match(r"prompt is too long: \d+ tokens > 8191 maximum", error["message"])
+
+
+# The stand-in that calls the first tool it is offered (model_repo/local/llm_agent).
+AGENT = "llm_agent"
+TRIGGER = "[call the first tool]"
+
+
+def test_the_tools_offered_may_change_mid_conversation(client) -> None:
+    """Claude Code's mid-conversation tool changes: an earlier turn called a tool that is no
+    longer offered; the conversation goes on with the tools of now."""
+    messages = [
+        {"role": "user", "content": TRIGGER},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "OldTool", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "done"}]},
+    ]
+    message = client.messages.create(model=AGENT, messages=messages, tools=[WEATHER], max_tokens=100)
+    assert message.content[0].text == "The tool answered." and message.stop_reason == "end_turn"
+
+
+def test_a_tool_description_of_claude_codes_length_is_taken(client) -> None:
+    long = {**WEATHER, "description": "Say what the weather is. " * 1700}  # (~42k characters)
+    message = client.messages.create(
+        model=AGENT, messages=[{"role": "user", "content": TRIGGER}], tools=[long], max_tokens=100
+    )
+    assert [(block.type, block.name) for block in message.content] == [("tool_use", "get_weather")]
+    assert message.stop_reason == "tool_use"

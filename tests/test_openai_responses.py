@@ -763,3 +763,17 @@ async def test_an_agent_keeps_its_conversation_on_the_server(stack, client) -> N
     items = client.conversations.items.list(conversation.id, order="asc").data
     assert [item.type for item in items] == ["message", "function_call", "function_call_output", "message"]
     assert items[2].call_id == items[1].call_id
+
+
+def test_max_output_tokens_over_the_models_room_is_served_up_to_it(client) -> None:
+    # The echo engine (8,192 tokens of context) says the prompt again: a prompt of more than
+    # half the context fills it before the answer ends; the cap asked for is not refused.
+    def tokens(words: int) -> int:
+        return client.responses.create(model="llm_echo", input="hello " * words, max_output_tokens=1).usage.input_tokens
+
+    base, more = tokens(100), tokens(200)
+    words = 100 + (4300 - base) * 100 // (more - base)
+    response = client.responses.create(model="llm_echo", input="hello " * words, max_output_tokens=32000)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens > 4096
+    assert response.usage.input_tokens + response.usage.output_tokens == 8192
