@@ -1,16 +1,21 @@
 """End to end through real nginx (nginx/nginx.conf) in front of two gateway processes
-of the local stack: SSE events arrive one by one, and requests spread over both."""
+of the local stack: SSE events arrive one by one, requests spread over both, a Responses
+WebSocket passes, and an anonymous body is refused by the gateway while it is still
+arriving, never spooled to nginx's temp files."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import socket
 import subprocess
 import time
 from datetime import datetime
 
 import httpx
 import pytest
+import websockets.sync.client as ws_client
 
 from gateway.deploy.nginx import ensure_nginx, write_local_conf
 from gateway.stack.process import free_port
@@ -50,7 +55,12 @@ def nginx_in_front(stack, tmp_path_factory):
             pass
         assert nginx.poll() is None and time.monotonic() < deadline, (workdir / "error.log").read_text()
         time.sleep(0.1)
-    yield {"url": base, "gateways": [url for _, url in gateways]}
+    yield {
+        "url": base,
+        "port": port,
+        "gateways": [url for _, url in gateways],
+        "bodies": workdir / "tmp" / "client_body",
+    }
     nginx.terminate()  # by its pid
     nginx.wait(10)
     for process, _ in gateways:
@@ -121,3 +131,64 @@ async def test_a_file_upload_over_8_mib_passes_through_nginx(nginx_in_front) -> 
         await client.delete(f"/v1/files/{uploaded['id']}")
     assert refused.status_code == 413
     assert refused.json()["error"]["code"] == "payload_too_large"
+
+
+def test_a_responses_websocket_passes_through_nginx(stack, nginx_in_front) -> None:
+    url = nginx_in_front["url"].replace("http://", "ws://") + "/v1/responses"
+    with ws_client.connect(url, additional_headers={"Authorization": f"Bearer {stack.api_key}"}) as socket:
+        create = {"type": "response.create", "model": "llm_echo", "input": "Through nginx", "max_output_tokens": 50}
+        socket.send(json.dumps(create))
+        events = []
+        while not events or events[-1]["type"] not in ("response.completed", "response.incomplete", "error"):
+            events.append(json.loads(socket.recv(timeout=120)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] in (
+        "response.completed",
+        "response.incomplete",
+    ), events[-1]
+
+
+def _spooled(folder) -> int:
+    """Bytes in nginx's client body temp files now."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_an_anonymous_upload_is_refused_while_it_arrives_and_never_spooled(nginx_in_front) -> None:
+    # 150 MiB declared on the path that takes the most (POST /v1/files, 201m), no key. With
+    # request buffering on (the base config) nginx wrote all of it to its temp files before a
+    # gateway saw the headers, and the 401 came only after the last byte.
+    total, chunk = 150 * 1024 * 1024, b"x" * (1024 * 1024)
+    head = (
+        f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        f"Content-Length: {total}\r\n\r\n"
+    ).encode()
+    sent, largest, answer = 0, 0, b""
+    with socket.create_connection(("127.0.0.1", nginx_in_front["port"]), timeout=60) as conn:
+        conn.sendall(head)
+        conn.setblocking(False)
+        deadline = time.monotonic() + 120
+        while b"\r\n\r\n" not in answer:
+            assert time.monotonic() < deadline, f"no answer after {sent} bytes"
+            try:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                answer += data
+                continue
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                break
+            largest = max(largest, _spooled(nginx_in_front["bodies"]))
+            if sent < total:
+                try:
+                    sent += conn.send(chunk[: total - sent])
+                except BlockingIOError:
+                    time.sleep(0.01)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            else:
+                time.sleep(0.01)
+    status = answer.split(b"\r\n", 1)[0]
+    assert status.startswith(b"HTTP/1.1 401"), answer[:300]
+    assert sent < total, "the refusal came only once the whole body was sent"
+    assert largest == 0, f"nginx spooled {largest} bytes of an anonymous body"

@@ -103,6 +103,16 @@ class GatewaySettings(ServiceSettings):
     # A Responses WebSocket (GET /v1/responses upgraded) is closed after this long (OpenAI's
     # 60 minutes): websocket_connection_limit_reached, once its response in flight has ended.
     responses_ws_max_s: float = Field(default=3600.0, gt=0)
+    # ... and closed (1000, after a websocket_idle_timeout error event) once this long has
+    # passed with no client message and no response in flight.
+    responses_ws_idle_s: float = Field(default=300.0, gt=0)
+    # Responses WebSockets one process holds open at once (503 too_many_websockets on the
+    # upgrade beyond) and one tenant's share of them: the fraction, at least the floor (429
+    # tenant_share_exceeded on the upgrade beyond). A message is at most MAX_BODY_BYTES
+    # (closed 1009 beyond) and never deflated (gateway.server.serve).
+    responses_ws_max: int = Field(default=1000, ge=1)
+    responses_ws_tenant_share: float = Field(default=0.25, gt=0, le=1)
+    responses_ws_tenant_floor: int = Field(default=16, ge=1)
 
     # -- Tenants --------------------------------------------------------------------------
     # Every call but /healthz and /readyz needs `Authorization: Bearer <API key>`. false:

@@ -22,7 +22,17 @@ OpenAI and the Open Responses specification define it.
   false one's from Redis (store.UnstoredSettings, kept as long as its events).
 - A socket is closed RESPONSES_WS_MAX_S (60 minutes) after it opened: once its response
   in flight has ended, an error event websocket_connection_limit_reached, then close
-  1000."""
+  1000; and after RESPONSES_WS_IDLE_S (5 minutes) with no client message and no response
+  in flight: an error event websocket_idle_timeout, then close 1000.
+- Bounded as an HTTP call is: a message is at most MAX_BODY_BYTES (uvicorn closes the
+  socket 1009 from the frame's header, before reading it) and never deflated (serve.py);
+  a process holds RESPONSES_WS_MAX sockets, a tenant its share of them (429
+  tenant_share_exceeded on the upgrade, before it is accepted; 503 too_many_websockets
+  when all are held); a response.create is refused (429 tenant_share_exceeded, nothing
+  submitted) while the tenant holds its share of the event streams it would follow.
+- The edge passes WebSocket scopes through, so this route does its part: the key before
+  the accept, X-Request-ID (taken or made, bound into the logs and answered on the
+  upgrade), one access line when the socket ends and the requests counter."""
 
 from __future__ import annotations
 
@@ -30,14 +40,19 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect
 
+from gateway.common.logs import bind_request_ids, clear_request_ids
+from gateway.server.api.edge import access_log, loggable_path
 from gateway.server.api.errors import ApiError, ErrorRenderer
+from gateway.server.api.request_id import HEADER, accepted_trace_id, bind_trace_id
 from gateway.server.api.tenancy import Caller, identify
+from gateway.server.errors import Refused
 from gateway.server.openai import common
 from gateway.server.openai.errors import openai_error, openai_error_body
 from gateway.server.openai.responses.call import keep, response_call
@@ -47,6 +62,7 @@ from gateway.server.openai.responses.settings import ResponseSettings, request_i
 from gateway.server.openai.responses.store import ResponseStore, UnstoredSettings, item_bytes
 from gateway.server.openai.schemas import ResponseRequest
 from gateway.server.services import Services
+from gateway.server.tenants.shares import SharedPool, share_of
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +103,17 @@ class _Socket:
         # given and gave (what a continuation of it is given).
         self.local: tuple[str, list[dict[str, Any]]] | None = None
         self._sending = asyncio.Lock()
+        # When the client last sent a message or the last response ended (the idle clock).
+        self.active = asyncio.get_running_loop().time()
 
     @property
     def busy(self) -> bool:
         return self.running is not None and not self.running.done()
+
+    def _start(self, following: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.create_task(following)
+        task.add_done_callback(lambda _: setattr(self, "active", asyncio.get_running_loop().time()))
+        return task
 
     async def send(self, payload: dict[str, Any]) -> None:
         async with self._sending:
@@ -146,6 +169,9 @@ class _Socket:
             body = ResponseRequest.model_validate_json(json.dumps({**fields, "stream": True}))
             held = self.local[1] if self.local is not None and previous == self.local[0] else None
             call = await response_call(body, self.svc, self.who, previous=held)
+            # Its events are followed from this process: refused before it is submitted
+            # (not left running unfollowed) when the tenant holds its share of followers.
+            self.svc.events.admissible(self.who.tenant)
             flex = common.tier(body.service_tier).flex
             (request_id,) = (await self.svc.submitter.submit_many(self.who, [call.native], flex=flex)).request_ids
             await keep(self.svc, self.who, call, request_id, body.model, resumable=True)
@@ -154,7 +180,7 @@ class _Socket:
             await self.send(self._lane(_event_of(exc), stream_id))
             return
         obfuscate = body.stream_options is None or body.stream_options.include_obfuscation
-        self.running = asyncio.create_task(
+        self.running = self._start(
             self.follow(request_id, body.model, call.settings, -1, stream_id, obfuscate, call, previous)
         )
 
@@ -225,19 +251,40 @@ class _Socket:
         except Exception as exc:
             await self.send(_event_of(exc))
             return
-        self.running = asyncio.create_task(
+        self.running = self._start(
             self.follow(request_id, outcome.model, settings or settings_of_record(outcome), after)
         )
 
 
-async def _refuse_upgrade(websocket: WebSocket, error: ApiError) -> None:
-    """401 (or another refusal) in OpenAI's shape on the upgrade itself, where the server
-    can answer one; else the socket is closed with policy violation (1008)."""
+async def _refuse_upgrade(websocket: WebSocket, error: ApiError | Refused, trace_id: str) -> int:
+    """401, 429 (or another refusal) in OpenAI's shape on the upgrade itself, where the
+    server can answer one (uvicorn does: the websocket.http.response extension); else the
+    socket is closed with policy violation (1008). The status answered."""
+    answer = _ERRORS.of(PATH, "GET", error)
+    assert answer is not None  # (an ApiError or a Refused always has its answer)
+    answer.headers[HEADER] = trace_id
     if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        answer = openai_error(error.status, error.code, error.message, error.details, error.headers)
         await websocket.send_denial_response(answer)
     else:
-        await websocket.close(code=1008, reason=error.message[:120])
+        message = error.message if isinstance(error, ApiError) else str(error)
+        await websocket.close(code=1008, reason=message[:120])
+    return answer.status_code
+
+
+def _sockets(websocket: WebSocket, svc: Services) -> SharedPool:
+    """This process's pool of Responses WebSockets (one per app)."""
+    state = websocket.app.state
+    pool: SharedPool | None = getattr(state, "responses_sockets", None)
+    if pool is None:
+        settings = svc.settings
+        share = share_of(
+            settings.responses_ws_max, settings.responses_ws_tenant_share, settings.responses_ws_tenant_floor
+        )
+        pool = SharedPool(
+            "Responses WebSockets", total=settings.responses_ws_max, share=share, full_code="too_many_websockets"
+        )
+        state.responses_sockets = pool
+    return pool
 
 
 def _resume_point(websocket: WebSocket) -> tuple[str, int] | None:
@@ -256,41 +303,79 @@ def _resume_point(websocket: WebSocket) -> tuple[str, int] | None:
 @router.websocket("/responses")
 async def responses_socket(websocket: WebSocket) -> None:
     svc: Services = websocket.app.state.services
+    started = time.perf_counter()
+    trace_id = accepted_trace_id(websocket.headers.get(HEADER, "").encode("latin-1") or None)
+    reset = bind_trace_id(trace_id)  # the socket's submissions store it, as an HTTP call's do
+    bind_request_ids(trace_id=trace_id)
+    status = 500
+    pool = _sockets(websocket, svc)
     try:
-        who = await identify(svc, websocket.headers.get("authorization"))
-        resume = _resume_point(websocket)
-    except ApiError as error:
-        await _refuse_upgrade(websocket, error)
-        return
-    await websocket.accept()
+        try:
+            who = await identify(svc, websocket.headers.get("authorization"))
+            resume = _resume_point(websocket)
+            pool.check(who.tenant)
+        except (ApiError, Refused) as error:
+            status = await _refuse_upgrade(websocket, error, trace_id)
+            return
+        with pool.hold(who.tenant):  # (no await since the check: nothing came between)
+            await websocket.accept(headers=[(HEADER.lower().encode(), trace_id.encode())])
+            status = 101
+            await _serve(websocket, svc, who, resume)
+    finally:
+        svc.metrics.http_requests.labels(PATH, "GET", str(status)).inc()
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        access_log.info("WEBSOCKET %s %d %.1fms", loggable_path(websocket.scope), status, elapsed_ms)
+        clear_request_ids()
+        reset()
+
+
+async def _serve(websocket: WebSocket, svc: Services, who: Caller, resume: tuple[str, int] | None) -> None:
+    """An accepted socket: its messages one at a time, until the client goes, it has been
+    idle RESPONSES_WS_IDLE_S or open RESPONSES_WS_MAX_S."""
     socket = _Socket(websocket, svc, who)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + svc.settings.responses_ws_max_s
+    idle_s = svc.settings.responses_ws_idle_s
+    idle = False
     try:
         if resume is not None:
             await socket.resume(*resume)
         while (left := deadline - loop.time()) > 0:
+            # A response in flight keeps the socket; the idle clock runs from its end (seen
+            # at the next wake-up, at most idle_s later).
+            wait = min(left, idle_s if socket.busy else socket.active + idle_s - loop.time())
             try:
-                message = await asyncio.wait_for(websocket.receive(), left)
+                message = await asyncio.wait_for(websocket.receive(), max(wait, 0))
             except TimeoutError:
-                break
+                if not socket.busy and loop.time() - socket.active >= idle_s:
+                    idle = True
+                    break
+                continue
             if message["type"] == "websocket.disconnect":
                 return
+            socket.active = loop.time()
             text = message.get("text")
             if text is None:
                 text = (message.get("bytes") or b"").decode("utf-8", "replace")
             await socket.handle(text)
         if socket.running is not None:
             await socket.running  # the response in flight ends first
-        minutes = svc.settings.responses_ws_max_s / 60
-        await socket.send(
-            error_event(
+        if idle:
+            event = error_event(
+                400,
+                "websocket_idle_timeout",
+                f"no message for {idle_s:g} s and no response in flight: the socket is closed "
+                "(open a new one; continue with previous_response_id)",
+            )
+        else:
+            minutes = svc.settings.responses_ws_max_s / 60
+            event = error_event(
                 400,
                 "websocket_connection_limit_reached",
                 f"a Responses WebSocket is closed after {minutes:g} "
                 "minutes: open a new one (continue with previous_response_id)",
             )
-        )
+        await socket.send(event)
         await websocket.close(code=1000)
     except (WebSocketDisconnect, RuntimeError, OSError):
         return  # the client went away
