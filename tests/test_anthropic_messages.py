@@ -15,6 +15,7 @@ import time
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from tests.conftest import AUTH
@@ -440,3 +441,17 @@ def test_a_tool_description_of_claude_codes_length_is_taken(client) -> None:
     )
     assert [(block.type, block.name) for block in message.content] == [("tool_use", "get_weather")]
     assert message.stop_reason == "tool_use"
+
+
+def test_a_model_says_its_context_to_anthropics_models_api(client) -> None:
+    info = client.models.retrieve(AGENT)
+    assert (info.id, info.type, info.display_name) == (AGENT, "model", AGENT)
+    assert (info.max_input_tokens, info.max_tokens) == (131071, 4096)
+    assert AGENT in {model.id for model in client.models.list()}
+
+
+def test_a_model_says_its_context_window_to_openais_models_api(stack) -> None:
+    models = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key=stack.api_key, max_retries=0)
+    found = models.models.retrieve("llm_echo")
+    assert found.model_extra is not None and found.model_extra["context_window"] == 8192
+    assert found.model_extra["max_input_tokens"] == 8191

@@ -134,6 +134,7 @@ def model_object(name: str, adapter: object = None) -> dict[str, Any]:
         "type": "model",
         "display_name": name,
         "created_at": CREATED_AT,
+        "lifecycle": "active",
     }
     context = getattr(adapter, "context_length", None)
     spec = getattr(adapter, "spec", None)
