@@ -20,6 +20,7 @@ from gateway.server.models.base import off_the_loop_if_long
 from gateway.server.queue.jobs import Admission
 from gateway.server.settings import GatewaySettings
 from gateway.server.tenants.caller import Caller
+from gateway.server.tenants.shares import backlog_share
 
 FULL = {  # what a full backlog is full of, by SUBMIT's reason
     "backlog": "requests are waiting",
@@ -124,8 +125,11 @@ def admission(s: GatewaySettings, who: Caller, band: str, shards: int) -> Admiss
     lock it out."""
     limits = who.config.effective
     whole = s.max_batch_backlog if band == "batch" else s.max_backlog
-    share = max(1, math.floor(whole * s.tenant_backlog_share))
-    own = limits.max_queued or share
+    share = backlog_share(whole, s.tenant_backlog_share)
+    queued = limits.max_queued
+    if queued and not who.config.limits.max_queued:  # an own max_queued on the share's grant: within it
+        queued = min(queued, share)
+    own = queued or share
     backlog = math.ceil(s.max_backlog / shards)
     batch_backlog = math.ceil(s.max_batch_backlog / shards)
     if band == "batch":
@@ -137,8 +141,8 @@ def admission(s: GatewaySettings, who: Caller, band: str, shards: int) -> Admiss
         max_backlog=backlog,
         max_batch_backlog=batch_backlog,
         max_bytes=max(math.ceil(s.max_backlog_bytes / shards), bytes_share),
-        tenant_max_queued=limits.max_queued or 0,
-        tenant_share=share if not limits.max_queued else 0,
+        tenant_max_queued=queued,
+        tenant_share=share if not queued else 0,
         reserve=s.tenant_backlog_reserve,
         tenant_bytes_share=bytes_share,
         bytes_reserve=s.tenant_backlog_reserve_bytes,

@@ -24,8 +24,10 @@ from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, admin, caller, manage, operator
 from gateway.server.routing.load import LoadTracker, ReplicaLoad
 from gateway.server.services import Services, services
+from gateway.server.settings import GatewaySettings
 from gateway.server.tenants.config import LIMIT_NAMES, Priority, TenantConfig, TenantLimits
 from gateway.server.tenants.keys import Role
+from gateway.server.tenants.shares import queued_granted
 
 router = APIRouter(tags=["Tenants"])
 
@@ -130,16 +132,29 @@ async def put_tenant(
     for group in ("limits", "own_limits"):
         if group in fields:
             fields[group] = getattr(body, group).model_dump(include=getattr(body, group).model_fields_set)
-    tenants = services(request).tenants
+    svc = services(request)
+    tenants = svc.tenants
     if not who.operator:
-        within_grant(await tenants.get(tenant, fresh=True), fields)
+        current = await tenants.get(tenant, fresh=True)
+        within_grant(current, fields, granted(svc.settings, current))
     return (await tenants.update(tenant, fields)).public()
 
 
-def within_grant(current: TenantConfig, fields: dict[str, Any]) -> None:
+def granted(settings: GatewaySettings, current: TenantConfig) -> dict[str, int]:
+    """What each limit of the tenant's grant means, as a number (0: no limit): each as
+    granted, but max_queued at 0 is the tenant's share of the backlogs, not none."""
+    limits = current.limits
+    meaning = {name: getattr(limits, name) for name in LIMIT_NAMES}
+    meaning["max_queued"] = queued_granted(
+        limits.max_queued, settings.max_backlog, settings.max_batch_backlog, settings.tenant_backlog_share
+    )
+    return meaning
+
+
+def within_grant(current: TenantConfig, fields: dict[str, Any], grant: dict[str, int]) -> None:
     """A tenant admin's change, made to fit its grant: its `limits` are its own limits; each
-    may tighten the grant (or, at 0, leave it), never exceed it. The weight and the band are
-    the grant itself (ApiError 403 for either)."""
+    may tighten what the grant means (`grant`: granted()), or at 0 leave it, never exceed
+    it. The weight and the band are the grant itself (ApiError 403 for either)."""
     for name in ("weight", "priority"):
         if name in fields:
             raise ApiError(
@@ -150,13 +165,13 @@ def within_grant(current: TenantConfig, fields: dict[str, Any]) -> None:
             )
     own = {**fields.pop("limits", {}), **fields.get("own_limits", {})}
     for name in LIMIT_NAMES:
-        granted, wanted = getattr(current.limits, name), own.get(name, 0)
-        if granted and wanted > granted:
+        most, wanted = grant[name], own.get(name, 0)
+        if most and wanted > most:
             raise ApiError(
                 403,
                 "limit_over_grant",
-                f"limits.{name} may be at most the tenant's grant, {granted} (an operator key raises the grant)",
-                details={"field": f"limits.{name}", "granted": granted},
+                f"limits.{name} may be at most the tenant's grant, {most} (an operator key raises the grant)",
+                details={"field": f"limits.{name}", "granted": most},
             )
     if own:
         fields["own_limits"] = own

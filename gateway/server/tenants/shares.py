@@ -20,6 +20,19 @@ def share_of(total: int, fraction: float, floor: int) -> int:
     return max(1, min(total, max(floor, math.ceil(fraction * total))))
 
 
+def backlog_share(whole: int, fraction: float) -> int:
+    """A tenant's share of a backlog of `whole` waiting requests (TENANT_BACKLOG_SHARE of
+    it, at least one): what a max_queued of 0 grants (submission.admission)."""
+    return max(1, math.floor(whole * fraction))
+
+
+def queued_granted(granted: int, max_backlog: int, max_batch_backlog: int, fraction: float) -> int:
+    """The most a tenant's own max_queued may be under a grant of `granted`: the grant, or,
+    at 0, the tenant's share of the smaller backlog (an own max_queued binds in both the
+    interactive and the batch backlog, and replaces the share in each)."""
+    return granted or min(backlog_share(max_backlog, fraction), backlog_share(max_batch_backlog, fraction))
+
+
 class ShareExceeded(Busy):
     """The tenant holds its whole share of a pool: 429 tenant_share_exceeded, the pool
     named in the details (others' calls are not refused)."""
