@@ -25,6 +25,19 @@ class GatewaySettings(ServiceSettings):
 
     # -- HTTP -----------------------------------------------------------------------------
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # A compressed body (Content-Encoding gzip, zstd) may decompress to this many times
+    # what was received, once past its first MiB (413 compression_ratio_too_high beyond),
+    # in at most this many gzip members or zstd frames (400 too_many_compressed_frames).
+    max_compression_ratio: float = Field(default=20.0, ge=1)
+    max_compressed_frames: int = Field(default=4, ge=1)
+    # JSON values ([, {, "," and ":" counted as the body arrives, strings' own included) a
+    # JSON body may hold (413 too_many_json_values beyond): parsing costs ~0.3 µs a value
+    # on the loop, and no thread helps (json.loads holds the GIL).
+    max_json_values: int = Field(default=200_000, ge=1)
+    # HTTP requests one process has begun and not yet started answering, health and
+    # metrics aside (503 overloaded, with Retry-After, at once beyond; 0: no limit). A
+    # stream counts until its headers go out, a long poll until it answers.
+    max_inflight_requests: int = Field(default=4096, ge=0)
     # Pixels an image input may declare (width x height, read from its header before
     # anything decodes it): more is 422 image_too_large.
     max_image_pixels: int = Field(default=50_000_000, gt=0)

@@ -10,7 +10,13 @@
 - limits the body: over max_bytes (declared or streamed) is 413, not arriving within
   body_timeout_s is 408 (slow senders cannot hold a worker); a JSON body must be UTF-8;
   a body sent with Content-Encoding gzip or zstd is decompressed as it arrives, the limit
-  applying to what it decompresses to (gateway.server.api.content_encoding);
+  applying to what it decompresses to, its ratio to what was received capped past its
+  first MiB (MAX_COMPRESSION_RATIO), a large chunk decoded in a worker thread
+  (gateway.server.api.content_encoding); a JSON body's values are counted as it arrives
+  (MAX_JSON_VALUES: what json.loads would spend the loop's time on);
+- sheds load: past MAX_INFLIGHT_REQUESTS requests begun and not yet answering, a new one
+  is 503 `overloaded` with Retry-After at once, before its key is checked (health and
+  metrics exempt);
 - adds the headers the calls made for the caller left (x-ratelimit-*);
 - counts it by route template, method and status, times it, and logs one access line;
 - and serves the hot routes, POST /infer and GET /results/<id>, itself
@@ -30,15 +36,16 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.common import tracing
 from gateway.common.logs import bind_request_ids, clear_request_ids
-from gateway.server.api.content_encoding import Decoder, decoder_for
+from gateway.server.api.content_encoding import Decoder, decode, decoder_for
 from gateway.server.api.errors import BodyRefused, ErrorRenderer
 from gateway.server.api.hot import HotRoutes
+from gateway.server.api.loop_probe import LoopProbe
 from gateway.server.api.request_id import HEADER, TRACE_HEADER, accepted_trace_id, bind_trace_id
 from gateway.server.api.tenancy import identify
 from gateway.server.metrics import GatewayMetrics
@@ -75,6 +82,21 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/ui"})
 PUBLIC_PREFIXES = ("/ui/",)
 METRICS_PATH = "/metrics"
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+# A compressed body's first MiB decompressed is free of the ratio cap: small JSON bodies
+# compress far better than 20x, and a MiB decodes and parses in milliseconds.
+RATIO_FREE_BYTES = 1 << 20
+_JSON_VALUE_MARKS = (b",", b":", b"[", b"{")
+
+
+class _Limits:
+    """The settings the edge reads on every call, read once."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.ratio = settings.max_compression_ratio
+        self.frames = settings.max_compressed_frames
+        self.json_values = settings.max_json_values
+        self.inflight = settings.max_inflight_requests
+        self.retry_after = str(settings.retry_after_s)
 
 
 def _templates(routes: Iterable[Any]) -> Iterator[tuple[re.Pattern[str], str]]:
@@ -133,11 +155,26 @@ class Edge:
         self._routes: list[tuple[re.Pattern[str], str]] | None = None
         self._counters: dict[tuple[str, str, int], Counter] = {}
         self._timers: dict[tuple[str, str], Histogram] = {}
+        self.probe = LoopProbe(metrics.registry)
+        self._limits: _Limits | None = None
+        self.inflight = 0  # requests begun and not yet answering (the overload shed's count)
+        Gauge(
+            "gateway_http_inflight",
+            "HTTP requests begun and not yet answering (MAX_INFLIGHT_REQUESTS sheds beyond)",
+            registry=metrics.registry,
+        ).set_function(lambda: self.inflight)
+
+    def limits(self) -> _Limits:
+        if self._limits is None:
+            self._limits = _Limits(self.services().settings)
+        return self._limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        self.probe.ensure_running()
+        limits = self.limits()
         headers = dict(scope["headers"])
         trace_id = accepted_trace_id(headers.get(_REQUEST_ID))
         untrace = tracing.take(headers.get(_TRACEPARENT))  # the client's W3C trace context
@@ -152,13 +189,15 @@ class Edge:
         received = 0
         decoded = 0  # bytes a compressed body decompressed to so far
         decoder: Decoder | None = None
+        json_values = 0
         body_done = False
         response_started = False
+        holds_slot = False  # counted in self.inflight until its answer starts
         utf8 = codecs.getincrementaldecoder("utf-8")() if _is_json(headers.get(_CONTENT_TYPE)) else None
         body_deadline = asyncio.get_running_loop().time() + body_timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal received, decoded, body_done
+            nonlocal received, decoded, body_done, json_values
             if body_done:  # waiting for a disconnect while the response streams: no limit
                 return await receive()
             try:
@@ -175,11 +214,19 @@ class Edge:
                     raise BodyRefused(413, "payload_too_large", f"request body is over {max_bytes} bytes")
                 body_done = not message.get("more_body", False)
                 if decoder is not None:
-                    chunk = decoder.feed(chunk, max_bytes - decoded)
+                    allowed = max(int(limits.ratio * received), RATIO_FREE_BYTES)
+                    chunk = await decode(decoder, chunk, min(max_bytes, allowed) - decoded)
                     decoded += len(chunk)
                     if decoded > max_bytes:
                         raise BodyRefused(
                             413, "payload_too_large", f"request body is over {max_bytes} bytes decompressed"
+                        )
+                    if decoded > allowed:
+                        raise BodyRefused(
+                            413,
+                            "compression_ratio_too_high",
+                            f"the body decompresses to more than {limits.ratio:g} times its size "
+                            f"(past its first {RATIO_FREE_BYTES} bytes): send it less compressed",
                         )
                     if body_done:
                         decoder.finish()
@@ -193,15 +240,27 @@ class Edge:
                     # bytes are NULs), and json.loads would read it: JSON text has no NUL.
                     if b"\x00" in chunk:
                         raise BodyRefused(422, "invalid_json", "the body is not UTF-8: JSON bodies are UTF-8")
+                    # An upper bound on the values json.loads would build (strings' commas
+                    # count too), refused before any of them is parsed.
+                    json_values += sum(chunk.count(mark) for mark in _JSON_VALUE_MARKS)
+                    if json_values > limits.json_values:
+                        raise BodyRefused(
+                            413,
+                            "too_many_json_values",
+                            f"the JSON body holds over {limits.json_values} values (commas, colons and brackets)",
+                        )
             else:
                 body_done = True
             return message
 
         async def edge_send(message: Message) -> None:
-            nonlocal status, response_started
+            nonlocal status, response_started, holds_slot
             if message["type"] == "http.response.start":
                 status = message["status"]
                 response_started = True
+                if holds_slot:
+                    holds_slot = False
+                    self.inflight -= 1
                 out = list(message.get("headers", []))
                 names = {name.lower() for name, _ in out}
                 # A /v1 answer names its durable request in X-Request-ID, as OpenAI's does:
@@ -214,6 +273,12 @@ class Edge:
             await send(message)
 
         try:
+            if path not in QUIET_PATHS and limits.inflight:
+                if self.inflight >= limits.inflight:
+                    await self._shed(scope, limits, headers, limited_receive, edge_send)
+                    return
+                self.inflight += 1
+                holds_slot = True
             declared = headers.get(_CONTENT_LENGTH)
             if declared is not None and declared.isdigit() and int(declared) > max_bytes:
                 raise BodyRefused(413, "payload_too_large", f"request body is over {max_bytes} bytes")
@@ -229,7 +294,7 @@ class Edge:
                 await refusal(scope, limited_receive, edge_send)
             else:
                 # The key first: an encoding not served is refused only to a known caller.
-                decoder = decoder_for(headers.get(_CONTENT_ENCODING))
+                decoder = decoder_for(headers.get(_CONTENT_ENCODING), limits.frames)
                 if decoder is not None:  # the routes see the body decompressed, its length unknown
                     drop = (_CONTENT_ENCODING, _CONTENT_LENGTH)
                     scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
@@ -242,6 +307,8 @@ class Edge:
                 answer = self.errors.response(path, refused.status, refused.code, refused.message)
                 await answer(scope, limited_receive, edge_send)
         finally:
+            if holds_slot:
+                self.inflight -= 1
             template = route.template if route is not None else self.route_template(scope)
             self._count(template, method, status, time.perf_counter() - started)
             level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
@@ -252,6 +319,18 @@ class Edge:
             reset()
             if untrace is not None:
                 untrace()
+
+    async def _shed(
+        self, scope: Scope, limits: _Limits, headers: dict[bytes, bytes], receive: Receive, send: Send
+    ) -> None:
+        """503 overloaded at once: nothing read, nothing checked (the answer costs less than
+        the key's check would), so what the process has begun finishes sooner."""
+        retry = {"Retry-After": limits.retry_after}
+        if _has_body(headers):
+            retry["connection"] = "close"
+        message = f"this gateway process is serving {limits.inflight} requests, its most: try again shortly"
+        answer = self.errors.response(scope["path"], 503, "overloaded", message, None, retry)
+        await answer(scope, receive, send)
 
     def public(self, path: str, settings: GatewaySettings) -> bool:
         """Whether a path is served without a key."""
