@@ -19,6 +19,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from pymongo import AsyncMongoClient
 
+from gateway.common import counts
 from gateway.common.logs import configure_logging
 from gateway.common.redis import RedisClients
 from gateway.common.result_store import ResultStore
@@ -163,6 +164,8 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.request_counts:  # debug: each request's counts (gateway/common/counts.py)
+            counts.enable(asyncio.get_running_loop())
         clients = RedisClients.open(
             url=settings.redis_url,
             cluster_nodes=settings.redis_cluster_nodes,
@@ -362,9 +365,6 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         docs_url="/docs" if settings.docs_ui and not private_docs else None,
         redoc_url="/redoc" if settings.docs_ui and not private_docs else None,
         openapi_url=None if private_docs else "/openapi.json",
-        # The one form route (POST /v1/files) takes one file and a few fields: each part
-        # a parser keeps (a field whole, a file past 1 MiB spooled to disk) is bounded.
-        form_limits={"max_files": 1, "max_fields": 8, "max_part_size": 64 * 1024},
     )
     errors = ErrorRenderer(
         on_reject=lambda code: metrics.rejected.labels(code).inc(),

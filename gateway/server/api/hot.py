@@ -32,6 +32,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.common import counts
 from gateway.protocol.http import Accepted, InferRequest
 from gateway.server.api.errors import NESTED_TOO_DEEP, ApiError, BodyRefused, ErrorRenderer
 from gateway.server.api.results import result_response
@@ -182,6 +183,9 @@ class HotRoutes:
         return None
 
     async def handle(self, route: HotRoute, scope: Scope, receive: Receive, send: Send) -> None:
+        counted = counts.begin()  # REQUEST_COUNTS (debug): its counts in x-gateway-counts
+        if counted is not None:
+            send = counts.sending(send, counted)
         try:
             response = await (self._infer if route.name == "infer" else self._result)(route, scope, receive)
         except Invalid as invalid:
