@@ -365,6 +365,9 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         docs_url="/docs" if settings.docs_ui and not private_docs else None,
         redoc_url="/redoc" if settings.docs_ui and not private_docs else None,
         openapi_url=None if private_docs else "/openapi.json",
+        # The one form route (POST /v1/files) takes one file and a few fields: each part
+        # a parser keeps (a field whole, a file past 1 MiB spooled to disk) is bounded.
+        form_limits={"max_files": 1, "max_fields": 8, "max_part_size": 64 * 1024},
     )
     errors = ErrorRenderer(
         on_reject=lambda code: metrics.rejected.labels(code).inc(),

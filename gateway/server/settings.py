@@ -25,6 +25,19 @@ class GatewaySettings(ServiceSettings):
 
     # -- HTTP -----------------------------------------------------------------------------
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    # A compressed body (Content-Encoding gzip, zstd) may decompress to this many times
+    # what was received, once past its first MiB (413 compression_ratio_too_high beyond),
+    # in at most this many gzip members or zstd frames (400 too_many_compressed_frames).
+    max_compression_ratio: float = Field(default=20.0, ge=1)
+    max_compressed_frames: int = Field(default=4, ge=1)
+    # JSON values ([, {, "," and ":" counted as the body arrives, strings' own included) a
+    # JSON body may hold (413 too_many_json_values beyond): parsing costs ~0.3 µs a value
+    # on the loop, and no thread helps (json.loads holds the GIL).
+    max_json_values: int = Field(default=200_000, ge=1)
+    # HTTP requests one process has begun and not yet started answering, health and
+    # metrics aside (503 overloaded, with Retry-After, at once beyond; 0: no limit). A
+    # stream counts until its headers go out, a long poll until it answers.
+    max_inflight_requests: int = Field(default=4096, ge=0)
     # Pixels an image input may declare (width x height, read from its header before
     # anything decodes it): more is 422 image_too_large.
     max_image_pixels: int = Field(default=50_000_000, gt=0)
@@ -103,6 +116,16 @@ class GatewaySettings(ServiceSettings):
     # A Responses WebSocket (GET /v1/responses upgraded) is closed after this long (OpenAI's
     # 60 minutes): websocket_connection_limit_reached, once its response in flight has ended.
     responses_ws_max_s: float = Field(default=3600.0, gt=0)
+    # ... and closed (1000, after a websocket_idle_timeout error event) once this long has
+    # passed with no client message and no response in flight.
+    responses_ws_idle_s: float = Field(default=300.0, gt=0)
+    # Responses WebSockets one process holds open at once (503 too_many_websockets on the
+    # upgrade beyond) and one tenant's share of them: the fraction, at least the floor (429
+    # tenant_share_exceeded on the upgrade beyond). A message is at most MAX_BODY_BYTES
+    # (closed 1009 beyond) and never deflated (gateway.server.serve).
+    responses_ws_max: int = Field(default=1000, ge=1)
+    responses_ws_tenant_share: float = Field(default=0.25, gt=0, le=1)
+    responses_ws_tenant_floor: int = Field(default=16, ge=1)
 
     # -- Tenants --------------------------------------------------------------------------
     # Every call but /healthz and /readyz needs `Authorization: Bearer <API key>`. false:
