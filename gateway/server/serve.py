@@ -144,8 +144,6 @@ def serve(settings: GatewaySettings, workers: int = 1) -> None:
         http="gateway.server.serve:LimitedHttpProtocol",
         # REQUEST_COUNTS counts loop iterations through the pure-Python loop's hooks.
         loop="asyncio" if settings.request_counts else "auto",
-        # REQUEST_COUNTS counts loop iterations through the pure-Python loop's hooks.
-        loop="asyncio" if settings.request_counts else "auto",
         # Responses WebSockets (openai/responses/websocket.py): a message is at most the
         # body limit (websockets refuses a longer one from its frame header, before reading
         # it: close 1009), and never deflated, so what a socket holds is what it was sent:
