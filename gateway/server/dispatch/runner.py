@@ -221,7 +221,7 @@ class Runner:
         failures: list[Failure],
         resume: Resume | None,
     ) -> None:
-        plan = await self.router.plan(adapter, prepared) if self.router is not None else None
+        plan = await self.router.plan(adapter, prepared, job.tenant) if self.router is not None else None
         replica = await self.pool.acquire(
             adapter.triton_model,
             job.deadline - time.time(),
@@ -246,7 +246,7 @@ class Runner:
             failures.append(failure)
             tried.add(replica.url)
             if failure.eject:
-                self.pool.eject(replica, failure.message)
+                self.pool.eject(replica, failure.detail or failure.message)
             raise
         finally:
             if plan is not None:

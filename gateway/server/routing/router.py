@@ -92,21 +92,22 @@ class Router:
             registry=registry_metrics,
         )
 
-    async def plan(self, adapter: ModelAdapter, prepared: Any) -> Plan:
+    async def plan(self, adapter: ModelAdapter, prepared: Any, tenant: str = "") -> Plan:
+        """tenant: whose request it is (its prompt_cache_key is its own: _cache_key)."""
         if isinstance(adapter, EngineLlmAdapter) and isinstance(prepared, EngineRequest):
-            return await self._llm_plan(adapter, prepared)
+            return await self._llm_plan(adapter, prepared, tenant)
         return self._load_plan(adapter)
 
     # -- LLMs -------------------------------------------------------------------------
 
-    async def _llm_plan(self, adapter: EngineLlmAdapter, prepared: EngineRequest) -> Plan:
+    async def _llm_plan(self, adapter: EngineLlmAdapter, prepared: EngineRequest, tenant: str) -> Plan:
         policy = self.settings.policy
         keys = prepared.keys
         prompt_blocks = max(1, math.ceil(len(prepared.prompt_ids) / adapter.tokens_per_block))
         serving = [r.url for r in self.pool.serving(adapter.triton_model)]
         model = adapter.triton_model
         matches = await self.index.matches(model, keys, serving) if policy == "cache_aware" else {}
-        cache_key = _cache_key(prepared.parameters.prompt_cache_key)
+        cache_key = _cache_key(prepared.parameters.prompt_cache_key, tenant)
         affine: set[str] = set()
         if cache_key is not None and policy == "cache_aware":
             affine = {url for url, n in (await self.index.matches(model, [cache_key], serving)).items() if n}
@@ -189,9 +190,13 @@ class Router:
         return Plan(choose, lambda: chosen.get("route"))
 
 
-def _cache_key(value: str | None) -> bytes | None:
-    """The prefix-index key of a prompt_cache_key (apart from every block key: those hash
-    token blocks, this one a tagged string)."""
+def _cache_key(value: str | None, tenant: str) -> bytes | None:
+    """The prefix-index key of a tenant's prompt_cache_key (apart from every block key:
+    those hash token blocks, this one a tagged string). Keyed by the tenant: another
+    tenant sending the same string gets another key, so it can neither tell from its
+    route's reason whether the string was used nor steer load onto the replica it names."""
     if not value:
         return None
-    return hashlib.blake2b(b"prompt_cache_key\x00" + value.encode("utf-8"), digest_size=16).digest()
+    return hashlib.blake2b(
+        value.encode("utf-8"), digest_size=16, key=tenant.encode("utf-8")[:64], person=b"prompt_cache_key"
+    ).digest()
