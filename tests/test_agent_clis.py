@@ -61,7 +61,7 @@ def clis() -> None:
     assert _pin("CODEX_VERSION") in codex.stdout, codex.stdout + codex.stderr
 
 
-def _claude(stack, tmp_path: Path, model: str, prompt: str) -> tuple[int, dict]:
+def _claude(stack, tmp_path: Path, model: str, prompt: str, *flags: str) -> tuple[int, dict]:
     home = tmp_path / "home"
     home.mkdir()
     env = {
@@ -79,7 +79,7 @@ def _claude(stack, tmp_path: Path, model: str, prompt: str) -> tuple[int, dict]:
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
-    argv = [str(CLAUDE), "-p", prompt, "--model", model, "--output-format", "json", "--max-turns", "3"]
+    argv = [str(CLAUDE), "-p", prompt, "--model", model, "--output-format", "json", "--max-turns", "3", *flags]
     done = subprocess.run(
         argv, env=env, cwd=home, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL
     )
@@ -88,13 +88,14 @@ def _claude(stack, tmp_path: Path, model: str, prompt: str) -> tuple[int, dict]:
     return done.returncode, json.loads(lines[-1])
 
 
-def _codex(stack, tmp_path: Path, model: str, prompt: str) -> subprocess.CompletedProcess[str]:
+def _codex(stack, tmp_path: Path, model: str, prompt: str, setting: str = "") -> subprocess.CompletedProcess[str]:
     home, codex_home, work = tmp_path / "home", tmp_path / "codex", tmp_path / "work"
     for folder in (home, codex_home, work):
         folder.mkdir()
     (codex_home / "config.toml").write_text(
         f'model = "{model}"\n'
         'model_provider = "gateway"\n'
+        f"{setting}\n"
         "check_for_update_on_startup = false\n"
         "[analytics]\nenabled = false\n"
         "[model_providers.gateway]\n"
@@ -119,14 +120,21 @@ def _max_input_tokens(stack, model: str) -> int:
 # -- Claude Code ------------------------------------------------------------------------------
 
 
-def test_claude_code_answers_a_question_through_the_gateway(clis, stack, tmp_path) -> None:
-    code, result = _claude(stack, tmp_path, STAND_IN, "hi")
+# Its defaults, and its most minimal mode (the issue's two runs).
+CLAUDE_MODES = {"defaults": (), "bare": ("--bare",)}
+CODEX_MODES = {"defaults": "", "minimal": 'model_reasoning_effort = "minimal"'}
+
+
+@pytest.mark.parametrize("mode", CLAUDE_MODES)
+def test_claude_code_answers_a_question_through_the_gateway(clis, stack, tmp_path, mode: str) -> None:
+    code, result = _claude(stack, tmp_path, STAND_IN, "hi", *CLAUDE_MODES[mode])
     assert code == 0 and result["is_error"] is False, result
     assert result["result"] == ANSWER
 
 
-def test_claude_code_calls_a_tool_and_sends_its_result_back(clis, stack, tmp_path) -> None:
-    code, result = _claude(stack, tmp_path, STAND_IN, TRIGGER)
+@pytest.mark.parametrize("mode", CLAUDE_MODES)
+def test_claude_code_calls_a_tool_and_sends_its_result_back(clis, stack, tmp_path, mode: str) -> None:
+    code, result = _claude(stack, tmp_path, STAND_IN, TRIGGER, *CLAUDE_MODES[mode])
     assert code == 0 and result["is_error"] is False, result
     assert result["result"] == AFTER_TOOL and result["num_turns"] == 2
 
@@ -143,14 +151,16 @@ def test_claude_code_shows_the_gateways_reason_when_the_prompt_does_not_fit(clis
 # -- the Codex CLI ----------------------------------------------------------------------------
 
 
-def test_codex_answers_a_question_through_the_gateway(clis, stack, tmp_path) -> None:
-    done = _codex(stack, tmp_path, STAND_IN, "hi")
+@pytest.mark.parametrize("mode", CODEX_MODES)
+def test_codex_answers_a_question_through_the_gateway(clis, stack, tmp_path, mode: str) -> None:
+    done = _codex(stack, tmp_path, STAND_IN, "hi", CODEX_MODES[mode])
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == ANSWER
 
 
-def test_codex_calls_a_tool_and_sends_its_result_back(clis, stack, tmp_path) -> None:
-    done = _codex(stack, tmp_path, STAND_IN, TRIGGER)
+@pytest.mark.parametrize("mode", CODEX_MODES)
+def test_codex_calls_a_tool_and_sends_its_result_back(clis, stack, tmp_path, mode: str) -> None:
+    done = _codex(stack, tmp_path, STAND_IN, TRIGGER, CODEX_MODES[mode])
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == AFTER_TOOL
 
