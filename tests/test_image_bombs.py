@@ -125,11 +125,14 @@ def test_the_pixel_limit_is_configurable(pixel_limit: None) -> None:
     refuse_huge_image(data)
 
 
-def test_an_unreadable_header_is_left_to_the_model() -> None:
-    # (The model refuses what it cannot decode: tests/test_gateway_api.py.)
+def test_an_unreadable_header_is_refused_as_unreadable_image() -> None:
+    # (An image whose header reads but whose data does not is the model's to refuse:
+    # tests/test_gateway_api.py.)
     for data in (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, b"\xff\xd8\xff", b"GIF89a", b"BM"):
         assert image_size(data) is None
-        refuse_huge_image(data)
+        with pytest.raises(InvalidInput) as refused:
+            refuse_huge_image(data)
+        assert refused.value.code == "unreadable_image"
 
 
 # -- the models' own limit ---------------------------------------------------------------

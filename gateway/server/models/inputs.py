@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import struct
 from typing import Annotated
 
@@ -124,9 +125,16 @@ def refuse_huge_image(data: bytes) -> None:
     """InvalidInput image_too_large when the image's header declares more pixels than the
     limit: read from the header alone, nothing decoded. (An InvalidInput, not a ValueError:
     pydantic passes it on as it is, so its code reaches the caller.) A header that cannot be
-    read is left to the model, which refuses what it cannot decode and keeps a limit too."""
-    size = image_size(data)
-    if size is not None and size[0] * size[1] > _max_image_pixels:
+    read is unreadable_image, and a JPEG that declares two frames (two sizes: this reads
+    one, a decoder may take another) ambiguous_image: neither reaches a model, whose
+    decoder would be the first to read its size."""
+    try:
+        size = image_size(data)
+    except AmbiguousImage as exc:
+        raise InvalidInput("ambiguous_image", str(exc)) from None
+    if size is None:
+        raise InvalidInput("unreadable_image", "the image's header cannot be read (its size is not where it should be)")
+    if size[0] * size[1] > _max_image_pixels:
         width, height = size
         raise InvalidInput(
             "image_too_large",
@@ -135,9 +143,14 @@ def refuse_huge_image(data: bytes) -> None:
         )
 
 
+class AmbiguousImage(ValueError):
+    """The header declares the image's size more than once."""
+
+
 def image_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) as a PNG, JPEG, GIF, WebP or BMP header declares it; None when the
-    header cannot be read."""
+    header cannot be read; AmbiguousImage for a JPEG with more than one frame header. In
+    bounded time: a few hundred steps at most, whatever the file holds."""
     try:
         if data.startswith(b"\x89PNG\r\n\x1a\n"):
             return _png_size(data)
@@ -168,23 +181,35 @@ _JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xDA)})
 _JPEG_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
+# Segments before the first scan: a real JPEG has a few dozen (APP, DQT, DHT, SOF, COM; a
+# large ICC profile up to 255 APP2 chunks). More is refused as unreadable, so a file of
+# tiny segments costs at most this many steps.
+_JPEG_MAX_SEGMENTS = 512
+_FILL = re.compile(rb"\xff*")
+
+
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The frame header's size, read through every segment up to the first scan (a decoder
+    such as PIL's takes the last frame header it meets there: two are refused)."""
+    size: tuple[int, int] | None = None
     at = 2
-    while at + 4 <= len(data):
-        if data[at] != 0xFF:
+    for _ in range(_JPEG_MAX_SEGMENTS):
+        if at + 4 > len(data) or data[at] != 0xFF:
             return None
+        # Fill bytes (any number of 0xFF) before the marker: skipped at once, not a step each.
+        fill = _FILL.match(data, at + 1)
+        at = (fill.end() if fill is not None else at + 1) - 1
         marker = data[at + 1]
-        if marker == 0xFF:  # fill byte before a marker
-            at += 1
-            continue
         if marker in _JPEG_STANDALONE:
             at += 2
             continue
-        if marker == 0xDA:  # start of scan, and no frame header before it
-            return None
+        if marker == 0xDA:  # start of scan: the frame header, if any, came before it
+            return size
         if marker in _JPEG_FRAME:
+            if size is not None:
+                raise AmbiguousImage("the JPEG declares more than one frame (two sizes): send it re-encoded")
             height, width = struct.unpack_from(">HH", data, at + 5)
-            return width, height
+            size = width, height
         (length,) = struct.unpack_from(">H", data, at + 2)
         if length < 2:
             return None
@@ -192,10 +217,17 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def _gif_size(data: bytes) -> tuple[int, int]:
+# Extension sub-blocks read before the first frame (a large XMP packet is a few thousand
+# of 255 bytes); more is refused as unreadable, so a file of one-byte sub-blocks is not a
+# step each.
+_GIF_MAX_BLOCKS = 16384
+
+
+def _gif_size(data: bytes) -> tuple[int, int] | None:
     """The logical screen, grown to the first frame's extent (a decoder allocates both)."""
     width, height, flags = struct.unpack_from("<HHB", data, 6)
     at = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)
+    steps = 0
     while at < len(data):
         block = data[at]
         if block == 0x2C:  # image descriptor: left, top, width, height
@@ -206,6 +238,9 @@ def _gif_size(data: bytes) -> tuple[int, int]:
         at += 2  # an extension: introducer, label, then sub-blocks up to an empty one
         while data[at]:
             at += data[at] + 1
+            steps += 1
+            if steps > _GIF_MAX_BLOCKS:
+                return None
         at += 1
     return width, height
 

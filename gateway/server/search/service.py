@@ -17,6 +17,7 @@ from gateway.protocol.http import SearchHit, SearchRequest, SearchResponse
 from gateway.server.dispatch.failures import classify
 from gateway.server.errors import InvalidRequest, Unavailable
 from gateway.server.models import InvalidInput, ModelRegistry
+from gateway.server.models.base import off_the_loop_if_long
 from gateway.server.models.embedding import EmbeddingAdapter
 from gateway.server.replicas import ReplicaPool
 from gateway.server.results.reader import ResultReader
@@ -90,7 +91,8 @@ class SearchService:
 
     async def embed(self, adapter: EmbeddingAdapter, raw_inputs: dict[str, str | None]) -> list[float]:
         try:
-            prepared = adapter.validate(raw_inputs, {})
+            # A large image's base64 and header scan in a worker thread, as a submission's.
+            prepared = await off_the_loop_if_long(raw_inputs, lambda: adapter.validate(raw_inputs, {}))
         except InvalidInput as exc:
             raise InvalidRequest("invalid_query", exc.message) from None
         try:
