@@ -1,0 +1,69 @@
+"""Overload shed at the edge, against a gateway process of its own with
+MAX_INFLIGHT_REQUESTS=2: while two requests are begun and not answered, a third is 503
+`overloaded` with Retry-After at once (nothing of it read, its key not checked), health
+and metrics are still served, and once the two have gone a request is served again."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import AUTH
+
+
+async def _inflight(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "gateway_http_inflight":
+            return family.samples[0].value
+    raise AssertionError("no gateway_http_inflight gauge")
+
+
+async def _until_inflight(client: httpx.AsyncClient, wanted: int) -> None:
+    deadline = time.monotonic() + 60
+    while await _inflight(client) != wanted:
+        assert time.monotonic() < deadline, f"in flight never reached {wanted}"
+        await asyncio.sleep(0.05)
+
+
+def _half_sent(url: str) -> socket.socket:
+    """A POST /infer whose body never finishes arriving: begun, not answered (until its
+    body timeout, or this socket closes)."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port))
+    head = (
+        f"POST /infer HTTP/1.1\r\nHost: {parts.hostname}\r\nAuthorization: {AUTH['Authorization']}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    sock.sendall(head.encode())
+    return sock
+
+
+async def test_past_its_inflight_limit_a_process_answers_503_overloaded_at_once(stack) -> None:
+    process, url = stack.start_gateway("gateway-overload", GATEWAY_WORKERS="1", MAX_INFLIGHT_REQUESTS="2")
+    held: list[socket.socket] = []
+    try:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as client:
+            held = [_half_sent(url) for _ in range(2)]
+            await _until_inflight(client, 2)  # (/metrics is exempt from the limit)
+            body = {"model": "llm_echo", "inputs": {"text_input": "one more", "max_tokens": 4}}
+            refused = await client.post("/infer", json=body)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "overloaded"
+            assert refused.headers["retry-after"] == "1"
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/readyz")).status_code == 200
+            for sock in held:
+                sock.close()
+            await _until_inflight(client, 0)
+            served = await client.post("/infer", json=body)
+            assert served.status_code == 202, served.text
+    finally:
+        for sock in held:
+            sock.close()
+        stack.stop(process)
