@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
@@ -181,7 +182,24 @@ def create_app(settings: BinderSettings | None = None) -> FastAPI:
             await mongo.close()
             await clients.aclose()
 
-    app = FastAPI(title="binder (internal)", lifespan=lifespan, dependencies=[Depends(api_guard(settings))])
+    # FastAPI's own /docs and /openapi.json take no dependencies: served here as routes of
+    # the app instead, behind its key like every route but PUBLIC_PATHS.
+    app = FastAPI(
+        title="binder (internal)",
+        lifespan=lifespan,
+        dependencies=[Depends(api_guard(settings))],
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
     @app.get("/healthz")
     async def healthz(request: Request) -> Any:

@@ -23,6 +23,8 @@ PROTECTED = [
     ("POST", "/webhooks/00D209GGVXB1THAC2XKHDBMWGMZ2R726H2C2/replay", {}),
     ("GET", "/dead-letters", None),
     ("POST", "/dead-letters/replay", None),
+    ("GET", "/docs", None),  # the API's documents too: they map what the key guards
+    ("GET", "/openapi.json", None),
 ]
 
 
@@ -118,3 +120,13 @@ async def test_gateway_binder_client_sends_the_binder_api_key(keyed_binder: str)
         without = BinderClient([keyed_binder], http)
         with pytest.raises(Unavailable, match="HTTP 401"):
             await without.nearest("minilm", [0.1] * 384, 5, None)
+
+
+async def test_the_binders_api_documents_are_served_behind_its_key(keyed_binder: str) -> None:
+    async with httpx.AsyncClient(base_url=keyed_binder, timeout=30) as client:
+        for path in ("/openapi.json", "/docs"):
+            assert (await client.get(path)).status_code == 401, path
+        keyed = {"Authorization": f"Bearer {KEY}"}
+        document = await client.get("/openapi.json", headers=keyed)
+        assert document.status_code == 200 and "/search" in document.json()["paths"]
+        assert (await client.get("/docs", headers=keyed)).status_code == 200

@@ -75,3 +75,17 @@ def test_a_replica_that_cannot_be_reached_is_ejected_and_the_request_retried(err
 def test_an_invalid_input_still_fails_at_once() -> None:
     failure = classify(_triton("in ensemble 'llm', [request id: <id_unknown>] unexpected shape for input 'text_input'"))
     assert (failure.code, failure.retryable, failure.eject) == ("invalid_input", False, False)
+
+
+def test_a_replicas_address_in_triton_or_grpc_text_never_reaches_the_tenant() -> None:
+    raw = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.5:8001: Failed to connect"
+    failure = classify(_triton(raw, "StatusCode.UNAVAILABLE"))
+    assert failure.code == "replica_unavailable"
+    assert "10.0.0.5" not in failure.message and "8001" not in failure.message
+    assert failure.detail == raw  # for the logs and the ejection
+
+
+def test_an_invalid_inputs_own_words_reach_the_tenant_without_addresses() -> None:
+    failure = classify(_triton("in ensemble 'llm' at triton-0.internal:8001, invalid input: expected 2 inputs"))
+    assert failure.code == "invalid_input"
+    assert "expected 2 inputs" in failure.message and "triton-0.internal" not in failure.message

@@ -436,3 +436,18 @@ async def test_on_a_run_is_timed_from_its_submission(tracer_on: InMemorySpanExpo
     assert spans["start"].start_time == int(submitted * 1e9)
     assert (spans["start"].end_time - spans["start"].start_time) / 1e9 >= 2.0
     assert spans["start"].parent.span_id == spans["run"].parent.span_id == int(CLIENT_SPAN, 16)
+
+
+def test_a_clients_sampled_flag_does_not_keep_a_trace_the_configured_ratio_drops() -> None:
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, get_current_span, set_span_in_context
+
+    sampler = tracing.sampler({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"})
+    trace_id = int(CLIENT_TRACE, 16)
+    for flag in ("01", "00"):
+        context = tracing._PROPAGATOR.extract({"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-{flag}"})
+        assert get_current_span(context).get_span_context().is_remote
+        assert not sampler.should_sample(context, trace_id, "accept").decision.is_sampled(), flag
+    # Under a sampled span of this process's own, a span follows it (a kept trace stays whole).
+    local = SpanContext(trace_id, int(CLIENT_SPAN, 16), is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    under = set_span_in_context(NonRecordingSpan(local))
+    assert sampler.should_sample(under, trace_id, "submit").decision.is_sampled()

@@ -98,13 +98,39 @@ def setup(service: str = DEFAULT_SERVICE) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     resource = Resource.create({} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service})
-    provider = TracerProvider(resource=resource)  # flushed at exit (shutdown_on_exit)
+    # flushed at exit (shutdown_on_exit)
+    provider = TracerProvider(resource=resource, sampler=sampler(os.environ))
     for exporter in _exporters():
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _tracer = provider.get_tracer("triton-gateway")
     log.info("tracing on: %s", ", ".join(_exporter_names(os.environ)) or "otlp")
     return True
+
+
+def sampler(environ: Mapping[str, str]) -> Any:
+    """OTEL_TRACES_SAMPLER (and _ARG), with one change: a trace begun by a client (a remote
+    parent) is sampled by the configured sampler's own rule, whatever the client's sampled
+    flag says, so a client cannot make every span of its calls kept (or dropped). Spans
+    under a parent of this process follow that parent, as ParentBased's do."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
+
+    name = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    rule = name.removeprefix("parentbased_")
+    root: Sampler
+    if rule == "always_off":
+        root = ALWAYS_OFF
+    elif rule == "traceidratio":
+        try:
+            ratio = float(environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
+        except ValueError:
+            ratio = 1.0
+        root = TraceIdRatioBased(min(max(ratio, 0.0), 1.0))
+    else:
+        if rule != "always_on":
+            log.warning("OTEL_TRACES_SAMPLER: %r is not a sampler this process knows: always_on", name)
+        root = ALWAYS_ON
+    return ParentBased(root, remote_parent_sampled=root, remote_parent_not_sampled=root)
 
 
 def _exporters() -> Iterator[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -11,11 +12,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.services import services
+from gateway.server.services import Services, services
 
 router = APIRouter()
 
 CHECK_TIMEOUT_S = 2.0
+READY_CACHE_S = 1.0
 
 
 @router.get("/healthz", summary="Liveness")
@@ -29,7 +31,27 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "redis_unavailable, mongo_unavailable or no_replica"}},
 )
 async def readyz(request: Request) -> Any:
-    svc = services(request)
+    """Answered from one check a second at most, shared by the calls that come meanwhile:
+    the path is public, and each call would otherwise cost a Redis and a MongoDB round trip."""
+    state = request.app.state
+    now = time.monotonic()
+    last: tuple[float, asyncio.Future[Any]] | None = getattr(state, "readiness", None)
+    if last is None or now - last[0] >= READY_CACHE_S:
+        last = state.readiness = (now, asyncio.ensure_future(_readiness(services(request))))
+    answer = await asyncio.shield(last[1])  # a caller gone does not cancel the others' check
+    if isinstance(answer, ApiError):  # a new one each call: a raised instance keeps its traceback
+        raise ApiError(answer.status, answer.code, answer.message)
+    return answer
+
+
+async def _readiness(svc: Services) -> dict[str, Any] | ApiError:
+    try:
+        return await _check(svc)
+    except ApiError as exc:
+        return exc
+
+
+async def _check(svc: Services) -> dict[str, Any]:
     try:
         async with asyncio.timeout(CHECK_TIMEOUT_S):
             await svc.redis.ping()

@@ -7,10 +7,16 @@ in its repository) is not that replica being down: Triton answers it with the st
 UNAVAILABLE ("'llm' version 1 is not at ready state"), NOT_FOUND, or INVALID_ARGUMENT
 (namespaced repositories), always with its own wording, so that wording is read first.
 The request goes to another replica and this one stays in rotation for its other models
-(its health probe takes it out if the server itself is down)."""
+(its health probe takes it out if the server itself is down).
+
+What a tenant reads (`message`, into the record's error) is never the raw text, which
+names replicas' addresses ("ipv4:10.0.0.5:8001: Failed to connect"): a fixed sentence per
+code, or for invalid_input (about the tenant's own input) Triton's text with every address
+replaced. The raw text is `detail`, logged here once."""
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -24,6 +30,7 @@ class Failure(Exception):
     message: str
     retryable: bool
     eject: bool = False  # the replica itself is unusable (take it out of rotation)
+    detail: str = ""  # the raw error text: for logs and ejections, never for a tenant
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -53,6 +60,35 @@ _NOT_READY = re.compile(
 _TIMEOUT = re.compile(r"deadline exceeded|request timeout expired|timed out", re.IGNORECASE)
 
 
+log = logging.getLogger(__name__)
+
+# What a tenant is told, by code (invalid_input: its input's own problem, scrubbed).
+PUBLIC_MESSAGES = {
+    "model_not_ready": "the model is not ready on a Triton replica",
+    "deadline_exceeded": "the model did not answer in time",
+    "replica_unavailable": "a Triton replica is not answering",
+    "replica_overloaded": "a Triton replica is overloaded",
+    "inference_failed": "the model failed to run the request",
+}
+# URLs, gRPC targets (ipv4:/ipv6:/unix:/dns:), IPv4 and bracketed IPv6 addresses, host:port.
+_ADDRESS = re.compile(
+    r"\b[a-z][a-z0-9+.-]*://\S+|\b(?:ipv4|ipv6|unix|dns):\S+|\[[0-9a-f:.]+\](?::\d+)?|"
+    r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b[a-z0-9][a-z0-9.-]*:\d{2,5}\b",
+    re.IGNORECASE,
+)
+
+
+def scrubbed(message: str) -> str:
+    """The message with every network address in it replaced."""
+    return _ADDRESS.sub("<address>", message)
+
+
+def _failure(code: str, raw: str, retryable: bool, eject: bool = False) -> Failure:
+    log.info("triton error, %s: %s", code, raw)
+    public = scrubbed(raw)[:1000] if code == "invalid_input" else PUBLIC_MESSAGES[code]
+    return Failure(code, public, retryable, eject, detail=raw)
+
+
 def _status_and_message(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, InferenceServerException):
         return str(exc.status() or ""), exc.message() or str(exc)
@@ -69,15 +105,15 @@ def classify(exc: BaseException) -> Failure:
         # The model is not ready there (being reloaded, or never was), whatever the status
         # (Triton answers UNAVAILABLE for a version not at ready state): try elsewhere,
         # without ejecting a replica that serves its other models.
-        return Failure("model_not_ready", message, retryable=True)
+        return _failure("model_not_ready", message, retryable=True)
     if "INVALID_ARGUMENT" in status or "OUT_OF_RANGE" in status or _INVALID.search(message):
-        return Failure("invalid_input", message, retryable=False)
+        return _failure("invalid_input", message, retryable=False)
     if "DEADLINE_EXCEEDED" in status or _TIMEOUT.search(message):
-        return Failure("deadline_exceeded", message, retryable=False)
+        return _failure("deadline_exceeded", message, retryable=False)
     if "UNAVAILABLE" in status or isinstance(exc, OSError) or _UNAVAILABLE.search(message):
-        return Failure("replica_unavailable", message, retryable=True, eject=True)
+        return _failure("replica_unavailable", message, retryable=True, eject=True)
     if "NOT_FOUND" in status:
-        return Failure("model_not_ready", message, retryable=True)
+        return _failure("model_not_ready", message, retryable=True)
     if "RESOURCE_EXHAUSTED" in status:
-        return Failure("replica_overloaded", message, retryable=True)
-    return Failure("inference_failed", message, retryable=True)
+        return _failure("replica_overloaded", message, retryable=True)
+    return _failure("inference_failed", message, retryable=True)

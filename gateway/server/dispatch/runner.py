@@ -246,7 +246,7 @@ class Runner:
             failures.append(failure)
             tried.add(replica.url)
             if failure.eject:
-                self.pool.eject(replica, failure.message)
+                self.pool.eject(replica, failure.detail or failure.message)
             raise
         finally:
             if plan is not None:
