@@ -141,8 +141,27 @@ def test_a_message_over_the_body_limit_closes_the_socket_1009_while_the_gateway_
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert socket.close_code == 1009, (socket.close_code, socket.close_reason)
+    grown = _rss_kb(idle["pid"]) - before
+    print(f"longest /healthz wait {probe.longest * 1000:.0f} ms, RSS {grown / 1024:+.1f} MB")  # (pytest -s)
     assert probe.longest < 1.0, probe.longest
-    assert _rss_kb(idle["pid"]) - before < 100 * 1024
+    assert grown < 100 * 1024
+
+
+def test_a_message_of_too_many_json_values_is_refused_unparsed_and_the_socket_stays(stack, idle) -> None:
+    # Under the 8 MiB cap, 2.8 million empty arrays: json.loads on the loop ~1 s here.
+    message = '{"type": "response.create", "model": "llm_echo", "input": [' + ",".join(["[]"] * 2_700_000) + "]}"
+    before = _rss_kb(idle["pid"])
+    with _Probe(idle["url"]) as probe, _connect(idle["url"], stack.api_key, compression=None) as socket:
+        socket.send(message)
+        refusal = json.loads(socket.recv(timeout=120))
+        assert refusal["type"] == "error" and refusal["status"] == 413, refusal  # base: parsed, then 400
+        assert refusal["error"]["code"] == "too_many_json_values"
+        socket.send(json.dumps({"type": "response.cancel"}))  # the socket serves on
+        assert json.loads(socket.recv(timeout=60))["error"]["code"] == "unsupported_event"
+    grown = _rss_kb(idle["pid"]) - before
+    print(f"longest /healthz wait {probe.longest * 1000:.0f} ms, RSS {grown / 1024:+.1f} MB")  # (pytest -s)
+    assert probe.longest < 1.0, probe.longest
+    assert grown < 100 * 1024
 
 
 def test_permessage_deflate_is_not_negotiated(stack, idle) -> None:
