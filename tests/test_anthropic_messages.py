@@ -455,3 +455,12 @@ def test_a_model_says_its_context_window_to_openais_models_api(stack) -> None:
     found = models.models.retrieve("llm_echo")
     assert found.model_extra is not None and found.model_extra["context_window"] == 8192
     assert found.model_extra["max_input_tokens"] == 8191
+
+
+def test_a_streamed_message_the_context_cut_says_model_context_window_exceeded(client) -> None:
+    prompt = _prompt_of_tokens(client, 4200)
+    with client.messages.stream(
+        model="llm_echo", messages=[{"role": "user", "content": prompt}], max_tokens=32000
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "model_context_window_exceeded"
