@@ -57,6 +57,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -71,7 +72,7 @@ import tritonclient.grpc.aio as triton_aio
 
 from bench.cpu import ProcessCpu
 from bench.redis_info import RedisSample, RedisWindow
-from bench.stack import local_stack
+from bench.stack import ROOT, local_stack
 from gateway.server.models import ModelAdapter
 from gateway.server.models.registry import LOCAL_PROFILE, build_adapter
 
@@ -933,9 +934,17 @@ def main() -> None:
         urls = [u.strip() for u in args.gateway_url.split(",") if u.strip()]
         report = asyncio.run(run(args, urls, args.triton_url, args.api_key, args.redis_url))
     else:
-        # The relay runs every stream at once: the gateway may keep that many on one replica.
-        inflight = str(max(32, args.streams + 8, *args.llm_streams))
-        with local_stack(gateway_workers=args.workers, REPLICA_MAX_INFLIGHT=inflight) as endpoints:
+        # The stack as `make up` starts it (REPLICA_MAX_INFLIGHT 32: issue 61 found the
+        # bench's 208 where make up has 32 the one setting apart), but for the stream
+        # sections, which run every stream at once: the gateway may keep that many on one
+        # replica then. bench/stack.py sets LOG_LEVEL=WARNING too (the access lines off).
+        streams = [args.streams + 8] if "relay" in args.sections else []
+        streams += args.llm_streams if "llm" in args.sections else []
+        changed: dict[str, str] = {}
+        if streams and max(streams) > 32:
+            changed["REPLICA_MAX_INFLIGHT"] = str(max(streams))
+        print(f"stack: as make up starts it, LOG_LEVEL=WARNING, {changed or 'nothing else changed'}", file=sys.stderr)
+        with local_stack(ROOT / ".stack-bench", args.workers, **changed) as endpoints:
             assert endpoints.stack is not None
             os.environ.setdefault("LLM_MODEL_DIR", endpoints.stack.service_env["LLM_MODEL_DIR"])
             report = asyncio.run(

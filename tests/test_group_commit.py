@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -186,3 +187,23 @@ async def test_merged_calls_carry_at_most_a_megabyte_of_arguments(client: Redis)
     replies = await asyncio.gather(*(group.call(many, ["shared", f"big{i}"], ["", payload]) for i in range(8)))
     assert all(reply == [payload] for reply in replies)
     assert await client.get("calls") == "3"  # 3 + 3 + 2 items of 300 KB, not one call of 2.4 MB
+
+
+async def test_a_lone_call_is_sent_from_its_callers_task(client: Redis) -> None:
+    group = GroupCommit(client)
+    echo = AsyncScript(client, ECHO)
+    assert await group.call(echo, ["lone"], ["warm"]) == "warm"  # its connection made
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    previous = loop.get_task_factory()
+    loop.set_task_factory(factory)
+    try:
+        assert await group.call(echo, ["lone"], ["alone"]) == "alone"
+    finally:
+        loop.set_task_factory(previous)
+    assert made == []  # no sender task: it went out from this one

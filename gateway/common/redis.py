@@ -277,7 +277,11 @@ class GroupCommit:
     together become one call (_merged). Each caller gets its own reply or error, as if it
     had called alone. Calls to be replicated go in a pipeline of their own that ends with one WAIT
     (WAIT counts the writes of its connection, so one covers them all); the others are not
-    held up by it. One Redis only (a cluster's calls go to their own nodes)."""
+    held up by it. One Redis only (a cluster's calls go to their own nodes).
+
+    The first call of a turn yields once (no timer) for the rest of the turn's calls; alone
+    then, it is sent from its caller's task; with others, a sender task sends them all, so
+    that a caller that stops waiting cannot take the others' calls down with it."""
 
     def __init__(self, client: Redis, *, wait_replicas: int = 0, wait_timeout_ms: int = 250) -> None:
         self.client = client
@@ -291,12 +295,27 @@ class GroupCommit:
         within wait_timeout_ms) — with wait_replicas 0, (its reply, None)."""
         if wait and not self.wait_replicas:
             return await self.call(script, keys, args), None
-        loop = asyncio.get_running_loop()
-        call = _Call(script, list(keys), list(args), loop.create_future())
+        call = _Call(script, list(keys), list(args), asyncio.get_running_loop().create_future())
         ready = self._ready[wait]
-        if not ready:
-            loop.call_soon(self._flush, wait)
         ready.append(call)
+        if len(ready) > 1:
+            return await call.answer  # the first caller of this turn sends it
+        try:
+            await asyncio.sleep(0)  # the calls made in the rest of this turn join it
+        except asyncio.CancelledError:
+            call.answer.cancel()  # not sent: nobody would learn its outcome
+            if len(self._ready[wait]) > 1:
+                self._flush(wait)
+            else:
+                self._ready[wait] = []
+            raise
+        if len(self._ready[wait]) == 1:
+            # Alone: sent from the caller's own task, no sender task made (a call made while
+            # it is in flight starts its own turn's pipeline).
+            self._ready[wait] = []
+            await self._send([call], wait)
+            return call.answer.result()
+        self._flush(wait)  # several: one sender for them all, whichever caller stops waiting
         return await call.answer
 
     def _flush(self, wait: bool) -> None:

@@ -30,7 +30,13 @@ owns only what a process has (its slots, its tasks, its leases' renewal), calls 
 carry and hand_over, its lease keeper keep_leases, its relay emit; the sweeper sweep.
 The spine imports nothing above it: what it needs of its drivers (a process that holds
 runs, the replica call, the waiters) it is handed, as the protocols below describe them.
-Each stage is a span of the request's trace (gateway.common.tracing)."""
+Each stage is a span of the request's trace (gateway.common.tracing).
+
+What still crosses tasks for a request started here (issue 61; counted by REQUEST_COUNTS,
+gateway.common.counts): `carry` runs in the dispatcher's task made by `adopt`, and a
+`Prefer: wait` answer waits for it on the notifier's future that `deliver` sets
+(results/reader.py wait_json); grpc.aio makes a task a call; redis-py a `wait_for` task a
+write. The group commit and the shared Triton call no longer do for a lone call."""
 
 from __future__ import annotations
 

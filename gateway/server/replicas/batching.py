@@ -6,8 +6,10 @@ ready together go to the replica as one ModelInfer with a batch dimension: at mo
 `calls` (TRITON_BATCH_CALLS) calls of a model are in flight on a replica, and what becomes
 ready meanwhile waits for the next one to end, then goes in one call of up to the model's
 max_batch_size (read from the model's configuration, once per replica). An idle model
-costs no wait: a request that finds fewer calls in flight is sent in the same turn of the
-event loop. Each request still holds its own replica slot.
+costs no wait: a request that finds no call in flight is sent from its own task at once
+(no task, no timer: the gRPC call's deadline is the request's), one that finds fewer than
+`calls` in flight in the same turn of the event loop. Each request still holds its own
+replica slot.
 
 A many-input request (an embeddings call of a list) is rows of its own: its rows fill
 calls as one-row requests do, so a request larger than max_batch_size is split into
@@ -120,6 +122,18 @@ class BatchedInfer:
         item = _Item(row, request_id, loop.time() + timeout_s)
         key = (replica, model, "" if self.shared else request_id)
         lane = self._lanes.setdefault(key, _Lane())
+        size = self._max_batch.get((replica.url, model))
+        if lane.in_flight == 0 and not lane.waiting and size is not None and item.size <= max(1, size):
+            # Nothing in flight: sent from the caller's own task (no sender task, no timer:
+            # the call's gRPC deadline is the request's); what arrives meanwhile gathers.
+            item.sent = item.size
+            lane.in_flight += 1
+            try:
+                await self._send(replica, model, [_Piece(item, 0, item.size)])
+            finally:
+                lane.in_flight -= 1
+                self._send_next(key, lane)
+            return RowResult(row.output_name, item.answer.result())  # or what the call raised
         lane.waiting.append(item)
         if lane.in_flight < self.calls and not lane.gathering:
             self._send_next(key, lane)
