@@ -51,7 +51,7 @@ from gateway.server.openai.files.batch_store import (
     SUCCEEDED,
     BatchStore,
 )
-from gateway.server.openai.files.store import OUTPUT_PURPOSE
+from gateway.server.openai.files.store import OUTPUT_PURPOSE, LongLine
 from gateway.server.openai.schemas import BatchLine, ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from gateway.server.services import Services
 from gateway.server.tenants.caller import Caller
@@ -284,7 +284,9 @@ class BatchRunner:
                 "validation_failed",
                 f"validating the input file did not end in {self.settings.batch_max_validations} attempts",
             )
-        lines = await self.svc.files.lines(batch["tenant"], batch["input_file_id"])
+        # A line past the limit is counted, never joined nor decoded (a LongLine).
+        limit = self.settings.batch_max_line_bytes
+        lines = await self.svc.files.lines(batch["tenant"], batch["input_file_id"], most=limit)
         if lines is None:
             return await self._fail(batch, "file_not_found", f"no file {batch['input_file_id']}")
         max_lines, room = self.settings.batch_max_lines, await self._lines_room(batch)
@@ -293,13 +295,15 @@ class BatchRunner:
         count = n = buffered = 0
         async for data in lines:
             n += 1
-            try:
-                raw = data.decode("utf-8")
-            except UnicodeDecodeError:
-                await self.store.lines.delete_many({"batch": batch["_id"]})
-                return await self._fail(batch, "invalid_file", "the input file is not UTF-8 text")
-            if not raw.strip():
-                continue
+            raw = ""
+            if not isinstance(data, LongLine):
+                try:
+                    raw = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    await self.store.lines.delete_many({"batch": batch["_id"]})
+                    return await self._fail(batch, "invalid_file", "the input file is not UTF-8 text")
+                if not raw.strip():
+                    continue
             count += 1
             if count > max_lines:
                 await self.store.lines.delete_many({"batch": batch["_id"]})
@@ -313,9 +317,9 @@ class BatchRunner:
                     f"(TENANT_MAX_BATCH_LINES); the others hold {self.settings.tenant_max_batch_lines - room}",
                 )
             line: dict[str, Any] = {"batch": batch["_id"], "line": n, "custom_id": None, "outcome": PENDING}
-            if len(data) > self.settings.batch_max_line_bytes:
+            if isinstance(data, LongLine):
                 # Never stored (a document holds at most 16 MiB): a failed line of its own.
-                line |= {"outcome": FAILED, "error": _too_large(len(data), self.settings.batch_max_line_bytes)}
+                line |= {"outcome": FAILED, "error": _too_large(data.size, limit)}
                 writes.append(UpdateOne({"_id": f"{batch['_id']}:{n:07d}"}, {"$set": line}, upsert=True))
                 continue
             try:

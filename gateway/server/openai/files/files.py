@@ -18,6 +18,7 @@ index on GridFS's collections."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Annotated, Any
 
@@ -31,6 +32,7 @@ from gateway.server.openai.files.store import (
     MIN_EXPIRES_AFTER_S,
     UPLOAD_PURPOSES,
     FileStore,
+    long_line,
 )
 from gateway.server.openai.paging import listing
 from gateway.server.services import Services, services
@@ -84,6 +86,19 @@ async def upload_file(
     if size > svc.settings.max_file_bytes:
         raise ApiError(413, "file_too_large", f"a file may be at most {svc.settings.max_file_bytes} bytes")
     await refuse_over_quota(svc, who.tenant, size)
+    if purpose == "batch":  # a line the batch runner would refuse is refused now, by a streaming scan
+        limit = svc.settings.batch_max_line_bytes
+        found = await asyncio.to_thread(long_line, file.file, limit)
+        file.file.seek(0)
+        if found is not None:
+            line, length = found
+            raise ApiError(
+                400,
+                "line_too_large",
+                f"line {line} of the file has more than {limit} bytes ({length} read); a batch line may have at "
+                f"most {limit} (BATCH_MAX_LINE_BYTES)",
+                details={"param": "file", "line": line, "limit": limit},
+            )
     return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 from gridfs import AsyncGridFSBucket, NoFile
@@ -28,6 +29,42 @@ SWEEP_BATCH = 1000
 UPLOAD_PURPOSES = ("batch",)
 # Files the Batch API writes (as OpenAI names them).
 OUTPUT_PURPOSE = "batch_output"
+
+
+@dataclass(frozen=True, slots=True)
+class LongLine:
+    """A line longer than a reader's limit, never held: its size in bytes."""
+
+    size: int
+
+
+def long_line(source: IO[bytes], most: int) -> tuple[int, int] | None:
+    """The first line of a file longer than `most` bytes (as FileStore.lines counts it: a
+    \\r before its \\n left out), as (its number from 1, the bytes read of it so far, more
+    than `most`), or None; the file read from where it stands in chunks of at most `most`
+    bytes and never joined (a blocking read: call it in a worker thread). A line wholly
+    inside one chunk is shorter than the limit, so only the ends of lines that run from one
+    chunk into the next are measured."""
+    size = max(1, min(1 << 20, most))
+    run = 0  # bytes of the line under way, from chunks before this one
+    lines = 1  # its number
+    last = b""  # the last byte of the chunk before
+    while chunk := source.read(size):
+        first = chunk.find(b"\n")
+        if first < 0:
+            run += len(chunk)
+            if run > most + 1:  # (one more: it may end in \r)
+                return lines, run
+        else:
+            before = chunk[first - 1 : first] if first else last
+            length = run + first - (before == b"\r")
+            if length > most:
+                return lines, length
+            lines += chunk.count(b"\n")
+            run = len(chunk) - chunk.rfind(b"\n") - 1
+        last = chunk[-1:]
+    length = run - (last == b"\r" and run > 0)
+    return (lines, length) if length > most else None
 
 
 def new_file_id() -> str:
@@ -140,25 +177,50 @@ class FileStore:
 
         return chunks()
 
-    async def lines(self, tenant: str, file_id: str) -> AsyncIterator[bytes] | None:
+    async def lines(self, tenant: str, file_id: str, most: int | None = None) -> AsyncIterator[bytes | LongLine] | None:
         """The content line by line (split at \\n, a \\r before it dropped; the last line
-        may lack its \\n), read chunk by chunk: what is held is one chunk and one line."""
+        may lack its \\n), read chunk by chunk: what is held is one chunk and one line. A
+        line longer than `most` bytes is never joined: once past it, the rest of it is
+        counted and skipped to the next newline, and it comes as a LongLine (its size)."""
         chunks = await self.chunks(tenant, file_id)
         if chunks is None:
             return None
+        # A \r may end a line of `most` bytes: one byte more is held until its end shows.
+        cap = most + 1 if most is not None else None
 
-        async def lines() -> AsyncIterator[bytes]:
+        def line(pending: list[bytes]) -> bytes | LongLine:
+            data = b"".join(pending).removesuffix(b"\r")
+            return LongLine(len(data)) if most is not None and len(data) > most else data
+
+        async def lines() -> AsyncIterator[bytes | LongLine]:
             pending: list[bytes] = []  # the start of a line that goes on in the next chunk
+            held = 0  # its bytes
+            skipped = 0  # bytes of a line past the cap, skipped so far (0: none)
             async for chunk in chunks:
                 start = 0
                 while (end := chunk.find(b"\n", start)) >= 0:
-                    pending.append(chunk[start:end])
-                    yield b"".join(pending).removesuffix(b"\r")
-                    pending, start = [], end + 1
-                if start < len(chunk):
+                    if skipped:
+                        yield LongLine(skipped + end - start)
+                    elif cap is not None and held + end - start > cap:
+                        yield LongLine(held + end - start)
+                    else:
+                        pending.append(chunk[start:end])
+                        yield line(pending)
+                    pending, held, skipped, start = [], 0, 0, end + 1
+                rest = len(chunk) - start
+                if not rest:
+                    continue
+                if skipped:
+                    skipped += rest
+                elif cap is not None and held + rest > cap:
+                    pending, held, skipped = [], 0, held + rest
+                else:
                     pending.append(chunk[start:])
-            if pending:
-                yield b"".join(pending).removesuffix(b"\r")
+                    held += rest
+            if skipped:
+                yield LongLine(skipped)
+            elif pending:
+                yield line(pending)
 
         return lines()
 
