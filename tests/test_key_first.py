@@ -20,6 +20,7 @@ from gateway.server.api.errors import ErrorRenderer, install_error_handlers
 from gateway.server.api.hot import HotRoutes
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.metrics import GatewayMetrics
+from gateway.server.settings import GatewaySettings
 from gateway.server.tenants.config import TenantConfig
 from tests.conftest import AUTH
 
@@ -43,7 +44,7 @@ class Tenants:
 
 
 def services(auth_enabled: bool = True) -> Any:
-    settings = SimpleNamespace(auth_enabled=auth_enabled, public_metrics=True, public_docs=True)
+    settings = GatewaySettings(_env_file=None, auth_enabled=auth_enabled)  # type: ignore[call-arg]
     return SimpleNamespace(settings=settings, keys=Keys(), tenants=Tenants())
 
 
