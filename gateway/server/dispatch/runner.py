@@ -336,17 +336,23 @@ class Runner:
                 timeout=int(remaining * 1e6),
                 headers=tracing.headers(job.payload),
             )
-        call: asyncio.Future[Any] = asyncio.ensure_future(answer)
+        # Awaited in the run's own task (no task for the call): an abort cancels this task
+        # at this await, the only place it can be while control.abort is set.
+        task = asyncio.current_task()
+        aborted = False
 
         def abort() -> None:
-            call.cancel()
+            nonlocal aborted
+            if task is not None and not aborted:
+                aborted = True
+                task.cancel()
 
         control.abort = abort
         try:
-            result = await call
+            result = await answer
         except asyncio.CancelledError:
-            if control.cancel_requested:
-                return
+            if aborted and control.cancel_requested and task is not None and task.uncancel() == 0:
+                return  # asked to cancel (nothing else cancelled the task): the run ends canceled
             raise
         except Exception as exc:
             raise classify(exc) from exc
