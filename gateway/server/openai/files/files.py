@@ -6,7 +6,9 @@ survives any gateway, and its output and error files are written there too. Each
 belongs to one tenant; another tenant gets 404. Uploads are limited to MAX_FILE_BYTES
 (413 beyond), and only purpose `batch` is taken (the Batch API is what files are for).
 A tenant keeps at most TENANT_MAX_FILES files of TENANT_MAX_FILE_BYTES bytes together
-(an upload past either: 403 file_count_quota_exceeded / file_bytes_quota_exceeded).
+(an upload past either: 403 file_count_quota_exceeded / file_bytes_quota_exceeded), the
+uploads being stored counted with them: each is reserved atomically in Redis while it is
+stored (upload_reserved), so concurrent uploads cannot all pass one quota.
 
 Every file expires (its `expires_at`): an upload FILE_RETENTION_S (30 days) after it was
 made, or after OpenAI's `expires_after` (anchor `created_at`, one hour to 30 days); a
@@ -20,6 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
@@ -85,7 +91,6 @@ async def upload_file(
         raise ApiError(400, "empty_file", "the file is empty", details={"param": "file"})
     if size > svc.settings.max_file_bytes:
         raise ApiError(413, "file_too_large", f"a file may be at most {svc.settings.max_file_bytes} bytes")
-    await refuse_over_quota(svc, who.tenant, size)
     if purpose == "batch":  # a line the batch runner would refuse is refused now, by a streaming scan
         limit = svc.settings.batch_max_line_bytes
         found = await asyncio.to_thread(long_line, file.file, limit)
@@ -99,7 +104,8 @@ async def upload_file(
                 f"most {limit} (BATCH_MAX_LINE_BYTES)",
                 details={"param": "file", "line": line, "limit": limit},
             )
-    return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
+    async with upload_reserved(svc, who.tenant, size):  # its size as decoded and spooled
+        return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
 
 
 # What an upload's multipart framing (boundaries, part headers, the form's other fields)
@@ -115,31 +121,98 @@ async def before_upload(svc: Services, who: Caller, declared: int | None) -> Non
     await refuse_over_quota(svc, who.tenant, size)
 
 
+# The uploads of a tenant being stored, each with its size (`<bytes>:<expires at, ms>`): what
+# counts against its quota besides the files it keeps (reservations: RESERVE).
+RESERVATIONS_KEY = "uploads:reserved:{{{tenant}}}"
+# A reservation whose upload never released it (its gateway died mid-store) lapses after this.
+RESERVATION_TTL_MS = 15 * 60 * 1000
+
+# KEYS: the tenant's reservations. ARGV: reservation id, its bytes, now (ms), its TTL (ms),
+# the tenant's files and their bytes as stored, its TENANT_MAX_FILES, its TENANT_MAX_FILE_BYTES
+# (0: none). The upload is reserved only if it fits beside the files and every other
+# reservation: {1}, or {0, 'count' | 'bytes', what is used with the reservations}.
+RESERVE = """
+local now = tonumber(ARGV[3])
+local held, bytes = 0, 0
+local found = redis.call('HGETALL', KEYS[1])
+for i = 1, #found, 2 do
+  local size, expires = string.match(found[i + 1], '^(%d+):(%d+)$')
+  if tonumber(expires) <= now then
+    redis.call('HDEL', KEYS[1], found[i])
+  else
+    held, bytes = held + 1, bytes + tonumber(size)
+  end
+end
+local count, used = tonumber(ARGV[5]) + held, tonumber(ARGV[6]) + bytes
+local max_files, max_bytes = tonumber(ARGV[7]), tonumber(ARGV[8])
+if max_files > 0 and count + 1 > max_files then return {0, 'count', count} end
+if max_bytes > 0 and used + tonumber(ARGV[2]) > max_bytes then return {0, 'bytes', used} end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. (now + tonumber(ARGV[4])))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {1}
+"""
+
+
 async def refuse_over_quota(svc: Services, tenant: str, size: int) -> None:
     """Refuse (403) an upload of size bytes that would take the tenant past what it may
-    store: TENANT_MAX_FILES files or TENANT_MAX_FILE_BYTES bytes (0: no limit; a batch's
-    output files count too). Checked before storing: uploads at the same moment may pass
-    it together."""
+    store, counting the uploads being stored now (a check: nothing is reserved)."""
+    release = await reserve_upload(svc, tenant, size)
+    await release()
+
+
+@asynccontextmanager
+async def upload_reserved(svc: Services, tenant: str, size: int) -> AsyncIterator[None]:
+    """An upload of size bytes reserved against the tenant's quota while the block stores it
+    (refused 403 if it does not fit beside the files and the other reservations), released
+    when the block ends, however: concurrent uploads cannot all pass one quota."""
+    release = await reserve_upload(svc, tenant, size)
+    try:
+        yield
+    finally:
+        await release()
+
+
+async def reserve_upload(svc: Services, tenant: str, size: int) -> Callable[[], Awaitable[None]]:
+    """Reserve size bytes and a file of the tenant's quota (TENANT_MAX_FILES,
+    TENANT_MAX_FILE_BYTES; 0: no limit; a batch's output files count too), atomically
+    beside the other uploads' reservations; ApiError 403 if it does not fit. Returns its
+    release."""
     settings = svc.settings
     max_files, max_bytes = settings.tenant_max_files, settings.tenant_max_file_bytes
+
+    async def nothing() -> None:
+        return None
+
     if not max_files and not max_bytes:
-        return
+        return nothing
     count, used = await svc.files.usage(tenant)
-    if max_files and count + 1 > max_files:
-        raise ApiError(
-            403,
-            "file_count_quota_exceeded",
-            f"tenant {tenant} keeps {count} files, its quota (TENANT_MAX_FILES) is {max_files}: delete some first",
-            details={"quota": "TENANT_MAX_FILES", "limit": max_files, "used": count},
-        )
-    if max_bytes and used + size > max_bytes:
+    key, reservation = RESERVATIONS_KEY.format(tenant=tenant), secrets.token_hex(8)
+    now_ms = int(time.time() * 1000)
+    reply = await svc.redis.eval(
+        RESERVE, 1, key, reservation, size, now_ms, RESERVATION_TTL_MS, count, used, max_files, max_bytes
+    )
+    if int(reply[0]) == 0:
+        kind, held = str(reply[1]), int(reply[2])
+        if kind == "count":
+            raise ApiError(
+                403,
+                "file_count_quota_exceeded",
+                f"tenant {tenant} keeps or is storing {held} files, its quota (TENANT_MAX_FILES) is {max_files}: "
+                "delete some first",
+                details={"quota": "TENANT_MAX_FILES", "limit": max_files, "used": held},
+            )
         raise ApiError(
             403,
             "file_bytes_quota_exceeded",
-            f"tenant {tenant} keeps {used} bytes of files, this file would take it past its quota "
+            f"tenant {tenant} keeps or is storing {held} bytes of files, this file would take it past its quota "
             f"(TENANT_MAX_FILE_BYTES) of {max_bytes}: delete some first",
-            details={"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": used},
+            details={"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": held},
         )
+
+    async def release() -> None:
+        await svc.redis.hdel(key, reservation)
+
+    return release
 
 
 def label(filename: str | None) -> str:
