@@ -272,24 +272,50 @@ def traced_triton(stack, collector: Collector) -> Iterator[str]:
 
 
 async def test_tritons_own_spans_join_the_trace_under_the_replica_call(traced_triton, collector: Collector) -> None:
-    # Up to three requests, each its own trace: in one full run of 1,590 tests Triton once
-    # traced a request as a root of its own (its InferRequest span without a parent) though
-    # the gateway's replica.call span was there. The gateway's part (the traceparent it
-    # sends) is pinned without Triton below; this checks that Triton joins at all.
-    seen: list[list[tuple[str, str, str | None]]] = []
+    """Triton's span of the gateway's call (found by its `triton.request_id`) is a child of the
+    gateway's replica.call span, in the client's trace.
+
+    One call is retried, up to three, in one case only: Triton traced our call as a root of
+    its own. That is Triton's fault, not the gateway's: its gRPC frontend reads the metadata
+    through `GrpcServerCarrier::Get` (src/grpc/infer_handler.h, 2.51 as bundled here and
+    unchanged through 2.73), which returns `it->second.data()`, the bare pointer of a
+    grpc::string_ref that is not NUL-terminated, so OpenTelemetry's W3C propagator takes the
+    value as running to the first zero byte in memory after it. When the heap bytes after
+    the 55 characters are not zero the traceparent has the wrong length, is invalid, and
+    Triton (rate=1) starts a trace of its own. Measured against this Triton with direct
+    `stream_infer` calls carrying valid traceparents: 1 root in 125 calls, 0 in 20 through
+    the gateway (which sent the right traceparent each time, logged), and 24 in 40 once
+    Triton ran with MALLOC_PERTURB_=165 (freed memory filled with a non-zero byte). Nothing
+    the gateway sends can end the value with a zero byte, so each call is an independent
+    draw; anything else (no span of the call in Triton, a span joined elsewhere, the gateway
+    sending no traceparent) fails at once. The traceparent the gateway sends is pinned
+    without Triton below."""
     for attempt in range(3):
         trace_id = f"5bf92f3577b34da6a3ce929d0e0e473{attempt}"
-        await _run(traced_triton, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+        record = await _run(traced_triton, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+        request_id = record["request_id"]
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            spans = [s for s in collector.spans if s.trace_id == trace_id]
-            calls = {s.span_id for s in spans if s.name == "replica.call"}
-            if calls and any(s.parent in calls for s in spans if s.service == "triton-otel"):
-                return
+        while True:
+            # Triton's request span names the call; its trace holds the span Triton started
+            # for the call (InferRequest), a child of the traceparent it read.
+            traces = {
+                s.trace_id
+                for s in collector.spans
+                if s.service == "triton-otel" and s.attributes.get("triton.request_id") == request_id
+            }
+            calls = {s.span_id for s in collector.spans if s.trace_id == trace_id and s.name == "replica.call"}
+            tritons = [s for s in collector.spans if s.service == "triton-otel" and s.trace_id in traces]
+            if calls and any(s.name == "InferRequest" for s in tritons):
+                break
+            assert time.monotonic() < deadline, f"no InferRequest span of {request_id} in Triton, or no replica.call"
             await asyncio.sleep(0.1)
-        seen.append([(s.service, s.name, s.parent) for s in spans])
-    roots = [(s.trace_id, s.name) for s in collector.spans if s.service == "triton-otel" and not s.parent]
-    pytest.fail(f"no Triton span under the replica call in 3 traces: {seen}; Triton's roots: {roots}")
+        started = [s for s in tritons if s.name == "InferRequest"]
+        if traces != {trace_id} and all(not s.parent for s in started):
+            continue  # Triton misread the traceparent (above): a root of its own; another call
+        assert traces == {trace_id}, [(s.trace_id, s.name, s.parent) for s in tritons]
+        assert {s.parent for s in started} <= calls, [(s.name, s.parent) for s in started]
+        return
+    pytest.fail("Triton traced three calls in a row as roots of their own")
 
 
 # ---- off: this process has no OTEL_* configuration ------------------------------------------
