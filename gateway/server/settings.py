@@ -109,6 +109,9 @@ class GatewaySettings(ServiceSettings):
     # (outputs included) comes to more than the bytes limit.
     conversation_max_items: int = Field(default=1000, ge=0)
     conversation_max_bytes: int = Field(default=8 * 1024 * 1024, ge=0)
+    # Conversations a tenant keeps (not expired; 403 conversation_count_quota_exceeded on a
+    # create beyond; 0: no limit). Creating or updating one counts as a request per minute.
+    tenant_max_conversations: int = Field(default=10_000, ge=0)
     # A previous_response_id chain: the responses it holds and the bytes of their items
     # (400 response_chain_too_long / response_chain_too_large beyond).
     response_chain_max: int = Field(default=100, ge=1)

@@ -12,8 +12,10 @@ by their type).
 
 Bounds (store.ConversationStore): a conversation holds at most
 CONVERSATION_MAX_ITEMS items and CONVERSATION_MAX_BYTES bytes (400
-conversation_items_limit / conversation_bytes_limit beyond); a call that adds items counts
-as one request against the tenant's requests per minute (429 beyond); it and its items
+conversation_items_limit / conversation_bytes_limit beyond); a tenant keeps at most
+TENANT_MAX_CONVERSATIONS (403 conversation_count_quota_exceeded on a create beyond); a call
+that creates or updates one or adds items counts as one request against the tenant's
+requests per minute (429 beyond); it and its items
 expire RESULT_RETENTION_S after it last changed, a response's items with the response
 (then they are no longer in it). Lists and lookups read from MongoDB only the entries
 they need (by position, by item id), never the whole conversation."""
@@ -21,6 +23,7 @@ they need (by position, by item id), never the whole conversation."""
 from __future__ import annotations
 
 import secrets
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -34,7 +37,7 @@ from gateway.server.openai.responses.chains import conversation_of, conversation
 from gateway.server.openai.responses.items import check_include, items_of, with_ids
 from gateway.server.openai.responses.store import ConversationStore, item_entry
 from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported
-from gateway.server.services import services
+from gateway.server.services import Services, services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -64,14 +67,35 @@ def _object(document: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _add(request: Request, who: Caller, conversation: str, given: list[Any]) -> list[dict[str, Any]]:
+async def _add(
+    request: Request, who: Caller, conversation: str, given: list[Any], *, admitted: bool = False
+) -> list[dict[str, Any]]:
     """Add items (as given, ids derived where none is given), counted as one request
-    against the tenant's requests per minute; the items as kept."""
+    against the tenant's requests per minute (unless the call was: admitted); the items as kept."""
     svc = services(request)
     items = with_ids(items_of(given, param="items"), secrets.token_hex(16))
-    who.headers |= await svc.quotas.admit(who.config, 1)
+    if not admitted:
+        who.headers |= await svc.quotas.admit(who.config, 1)
     await ConversationStore(svc).append(who.scope, conversation, [item_entry(item) for item in items])
     return items
+
+
+async def _refuse_over_count(svc: Services, store: ConversationStore, tenant: str) -> None:
+    """403 when the tenant keeps TENANT_MAX_CONVERSATIONS conversations not expired (0: no limit)."""
+    limit = svc.settings.tenant_max_conversations
+    if not limit:
+        return
+    kept = await store.conversations.count_documents(
+        {"tenant": tenant, "expires_at": {"$gt": datetime.now(UTC)}}, limit=limit
+    )
+    if kept >= limit:
+        raise ApiError(
+            403,
+            "conversation_count_quota_exceeded",
+            f"tenant {tenant} keeps {kept} conversations, its quota (TENANT_MAX_CONVERSATIONS) is {limit}: "
+            "delete some first",
+            details={"quota": "TENANT_MAX_CONVERSATIONS", "limit": limit, "used": kept},
+        )
 
 
 @router.post("/conversations", summary="Create a conversation")
@@ -80,9 +104,13 @@ async def create_conversation(
 ) -> Any:
     items = items_of(body.items or [], param="items")  # (refused before anything is kept)
     refuse_unsupported(body, "conversations")
-    document = await ConversationStore(services(request)).create(who.scope, dict(body.metadata or {}))
+    svc = services(request)
+    store = ConversationStore(svc)
+    who.headers |= await svc.quotas.admit(who.config, 1)  # a create is a request per minute
+    await _refuse_over_count(svc, store, who.scope)
+    document = await store.create(who.scope, dict(body.metadata or {}))
     if items:
-        await _add(request, who, document["_id"], body.items or [])
+        await _add(request, who, document["_id"], body.items or [], admitted=True)
     return JSONResponse(_object(document))
 
 
@@ -98,6 +126,7 @@ async def update_conversation(
     svc = services(request)
     refuse_unsupported(body, "conversations")
     await conversation_of(svc, who, conversation)
+    who.headers |= await svc.quotas.admit(who.config, 1)  # an update is a request per minute
     await ConversationStore(svc).update(who.scope, conversation, dict(body.metadata))
     return JSONResponse(_object(await conversation_of(svc, who, conversation)))
 
