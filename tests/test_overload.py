@@ -67,3 +67,23 @@ async def test_past_its_inflight_limit_a_process_answers_503_overloaded_at_once(
         for sock in held:
             sock.close()
         stack.stop(process)
+
+
+async def test_long_polls_waiting_are_not_counted_as_work_in_flight(stack) -> None:
+    """A long poll is bounded by the event hub's pool and its tenant's share of it, not by
+    the overload shed: a tenant's waiting polls leave another's calls served."""
+    process, url = stack.start_gateway("gateway-overload-polls", GATEWAY_WORKERS="1", MAX_INFLIGHT_REQUESTS="2")
+    try:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as client:
+            body = {"model": "llm_synthetic", "inputs": {"text_input": "a long one", "max_tokens": 2000}}
+            ids = [(await client.post("/infer", json=body)).json()["request_id"] for _ in range(3)]
+            polls = [asyncio.create_task(client.get(f"/results/{rid}", params={"wait": 30})) for rid in ids]
+            await _until_inflight(client, 3)  # begun and unanswered, all three waiting
+            served = await client.post("/infer", json={**body, "inputs": {"text_input": "x", "max_tokens": 1}})
+            assert served.status_code == 202, served.text
+            for rid in ids:
+                await client.post(f"/results/{rid}/cancel")
+            for poll in polls:
+                assert (await poll).status_code == 200
+    finally:
+        stack.stop(process)

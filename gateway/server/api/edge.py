@@ -274,7 +274,9 @@ class Edge:
 
         try:
             if path not in QUIET_PATHS and limits.inflight:
-                if self.inflight >= limits.inflight:
+                # A long poll holds a place of the event hub's pool, which bounds it by
+                # tenant: it is no work in flight, and no tenant's polls shed another's calls.
+                if self.inflight - self.services().events.long_polls >= limits.inflight:
                     await self._shed(scope, limits, headers, limited_receive, edge_send)
                     return
                 self.inflight += 1

@@ -30,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +175,9 @@ class EventHub:
         )
         self.named_most = named_most
         self.full_read_every_s = full_read_every_s
+        # Long polls waiting now: the edge's overload shed leaves them out of its count,
+        # as this pool bounds them (and by tenant), so no tenant's long polls shed others.
+        self.long_polls = 0
         self._readers: dict[int, _ShardReader] = {}
         self._closed = False
 
@@ -210,9 +213,15 @@ class EventHub:
             return False
         return True
 
-    def holding(self, tenant: str | None) -> AbstractContextManager[None]:
+    @contextmanager
+    def holding(self, tenant: str | None) -> Iterator[None]:
         """Hold a place of the pool for a long poll (refused at once when there is none)."""
-        return self.pool.hold(tenant)
+        with self.pool.hold(tenant):
+            self.long_polls += 1
+            try:
+                yield
+            finally:
+                self.long_polls -= 1
 
     async def follow(self, request_id: str, after: str, *, tenant: str | None = None) -> AsyncIterator[StreamEvent]:
         """The events of a request after `after`, up to and including the terminal one.
