@@ -136,11 +136,13 @@ async def test_a_prompt_over_the_engine_limit_is_422_prompt_too_long_and_nothing
 async def test_a_huge_prompt_is_tokenized_while_the_gateway_serves_other_calls(http) -> None:
     # A conversation of ~1.3 MB (each message under the 100,000 characters a text may
     # have), of words the tokenizer has not seen together: a second or so to tokenize.
+    # On llm_agent, whose 131k context is too large for the prompt's length alone to
+    # refuse it (test_cheap_checks_first): it is tokenized, then refused.
     rng = random.Random(7)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(200_000)]
     messages = [{"role": "user", "content": " ".join(words[i : i + 15_000])} for i in range(0, len(words), 15_000)]
-    payload = json.dumps({"model": "llm", "inputs": {"messages": messages}}).encode()
+    payload = json.dumps({"model": "llm_agent", "inputs": {"messages": messages}}).encode()
     sent = asyncio.Event()
 
     async def body():

@@ -59,7 +59,7 @@ from gateway.protocol import ErrorInfo, ResultRecord, State, new_request_id
 from gateway.protocol.http import InferRequest
 from gateway.protocol.redis_keys import Shard, band_for
 from gateway.server import submission as checks
-from gateway.server.errors import Busy, Conflict, Forbidden, LostPieces, StaleRun
+from gateway.server.errors import Busy, Conflict, Forbidden, InvalidRequest, LostPieces, StaleRun
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.queue import scripts
@@ -144,7 +144,14 @@ async def accept(
     registry, settings = parts.registry, parts.settings
     bodies = [checks.salted(registry, who, body) for body in bodies]
     with tracing.span("accept.tokenize"):
-        prepared, prompt_tokens = await checks.prepare(registry, settings, bodies)
+        try:
+            prepared, prompt_tokens = await checks.prepare(registry, settings, bodies)
+        except InvalidRequest as refused:
+            if refused.code == "prompt_too_long" and not batch:
+                # The tokenization it cost was work: the refusal counts as one of the
+                # tenant's requests (over its rate, a 429 instead), so no key tokenizes for free.
+                await parts.quotas.admit(who.config, 1)
+            raise
     hashes = [checks.body_hash(body) for body in bodies] if idempotency_keys else None
     if idempotency_keys and hashes:
         replay = await replayed(parts.jobs, who.tenant, idempotency_keys, hashes)

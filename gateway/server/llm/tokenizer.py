@@ -85,9 +85,18 @@ class LlmTokenizer:
         markers = [token for token in MARKER_TOKENS if self.tokenizer.token_to_id(token) is not None]
         self.tool_format = tool_format(template, markers)
         self._bytes: dict[int, bytes] = {}  # token id -> its bytes (token_bytes)
+        # The vocabulary's longest entry: no token stands for more characters (a byte-level
+        # entry's characters are its bytes, at least the characters it decodes to).
+        self.longest_token = max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return token_ids(self.tokenizer, text, add_special_tokens=add_special_tokens)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A floor on the tokens `text` encodes to, without encoding it: its characters over
+        the longest entry's, halved again for a normalizer that may merge characters. A
+        prompt far past the context is refused by it before the tokenizer spends seconds."""
+        return len(text) // (2 * self.longest_token)
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
         """A prompt's token ids. A chat prompt that its template began with the BOS token is

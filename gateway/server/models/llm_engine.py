@@ -405,6 +405,13 @@ class EngineLlmAdapter(ModelAdapter):
 
     def prepare(self, inputs: EngineInputs, parameters: EngineParameters) -> EngineRequest:
         text = self.render(inputs)
+        floor = self.tokenizer.fewest_tokens(text)
+        if floor > self.max_input_tokens:  # refused unread: tokenizing 8 MB costs seconds
+            raise InvalidInput(
+                "prompt_too_long",
+                f"{self.name}: the prompt is at least {floor} tokens; this model takes at most {self.max_input_tokens}",
+                details={"prompt_tokens": floor, "max_input_tokens": self.max_input_tokens},
+            )
         ids = self.tokenizer.encode_prompt(text, chat=inputs.messages is not None)
         if not ids:
             raise InvalidInput("invalid_inputs", f"{self.name}: the prompt is empty after tokenization")
