@@ -94,6 +94,8 @@ class BatchRow:
     # A many-input request's inputs, one row each (value is then its first): its rows go
     # into as many calls as the model's max_batch_size needs, within its one run.
     values: tuple[bytes, ...] = ()
+    # A second output of one row per input (an embedding model's token counts), if any.
+    count_name: str | None = None
 
     @property
     def rows(self) -> tuple[bytes, ...]:

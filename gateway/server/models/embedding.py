@@ -127,7 +127,8 @@ class EmbeddingRun(Run):
 
     def batch_row(self) -> BatchRow:
         rows = self._rows()
-        return BatchRow(self.adapter.input_name, rows[0], self.adapter.output_name, tuple(rows) if self.many else ())
+        values = tuple(rows) if self.many else ()
+        return BatchRow(self.adapter.input_name, rows[0], self.adapter.output_name, values, self.adapter.count_output)
 
     def take(self, result: InferResult) -> list:
         found = result.as_numpy(self.adapter.output_name)

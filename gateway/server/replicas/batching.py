@@ -61,10 +61,13 @@ class _Item:
     row: BatchRow
     request_id: str
     deadline: float  # loop time
-    answer: asyncio.Future[np.ndarray] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    answer: asyncio.Future[tuple[np.ndarray, np.ndarray | None]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
     sent: int = 0  # rows handed to calls so far
     filled: int = 0  # rows answered so far
     out: np.ndarray | None = None  # its rows' outputs, filled in place as calls answer
+    counts: np.ndarray | None = None  # and their second output's (row.count_name), if any
 
     @property
     def size(self) -> int:
@@ -88,11 +91,13 @@ class RowResult:
     """What a caller gets: its own rows (one per input, in order), read the way an
     InferResult is read."""
 
-    def __init__(self, name: str, rows: np.ndarray) -> None:
-        self._name, self._rows = name, rows
+    def __init__(
+        self, name: str, rows: np.ndarray, count_name: str | None = None, counts: np.ndarray | None = None
+    ) -> None:
+        self._found = {name: rows, **({count_name: counts} if count_name and counts is not None else {})}
 
     def as_numpy(self, name: str) -> np.ndarray | None:
-        return self._rows if name == self._name else None
+        return self._found.get(name)
 
 
 @dataclass
@@ -133,12 +138,14 @@ class BatchedInfer:
             finally:
                 lane.in_flight -= 1
                 self._send_next(key, lane)
-            return RowResult(row.output_name, item.answer.result())  # or what the call raised
+            rows, counts = item.answer.result()  # or what the call raised
+            return RowResult(row.output_name, rows, row.count_name, counts)
         lane.waiting.append(item)
         if lane.in_flight < self.calls and not lane.gathering:
             self._send_next(key, lane)
         try:
-            return RowResult(row.output_name, await asyncio.wait_for(asyncio.shield(item.answer), timeout_s))
+            rows, counts = await asyncio.wait_for(asyncio.shield(item.answer), timeout_s)
+            return RowResult(row.output_name, rows, row.count_name, counts)
         except TimeoutError:
             # As Triton words it: the request's deadline, not the replica's fault (a bare
             # TimeoutError is an OSError, which reads as a replica gone).
@@ -184,12 +191,13 @@ class BatchedInfer:
             result = await replica.client.infer(
                 model,
                 [batch],
-                outputs=[InferRequestedOutput(first.output_name)],
+                outputs=[InferRequestedOutput(n) for n in (first.output_name, first.count_name) if n],
                 request_id=pieces[0].item.request_id if alone else "",
                 client_timeout=remaining,
                 timeout=int(remaining * 1e6),
             )
             rows = result.as_numpy(first.output_name)
+            counts = result.as_numpy(first.count_name) if first.count_name else None
             if rows is None or len(rows) != len(values):
                 raise RuntimeError(f"{model} answered {0 if rows is None else len(rows)} rows for {len(values)}")
         except Exception as exc:
@@ -204,7 +212,7 @@ class BatchedInfer:
             return
         at = 0
         for piece in pieces:
-            _fill(piece, rows[at : at + piece.count])
+            _fill(piece, rows[at : at + piece.count], None if counts is None else counts[at : at + piece.count])
             at += piece.count
 
     async def _batch_size(self, replica: Replica, model: str) -> int:
@@ -242,25 +250,31 @@ def _gather(waiting: deque[_Item], size: int) -> list[_Piece]:
     return pieces
 
 
-def _fill(piece: _Piece, rows: np.ndarray) -> None:
+def _fill(piece: _Piece, rows: np.ndarray, counts: np.ndarray | None) -> None:
     item = piece.item
     if item.answer.done():
         return
     if item.size == 1:
-        _settle(item, row=rows)  # shape [1, ...]: the one row, as a call of its own answers it
+        _settle(item, row=rows, counts=counts)  # shape [1, ...]: the one row, as a call of its own answers it
         return
     if item.out is None:
         item.out = np.empty((item.size, *rows.shape[1:]), dtype=rows.dtype)
     item.out[piece.start : piece.start + piece.count] = rows
+    if counts is not None:
+        if item.counts is None:
+            item.counts = np.empty((item.size, *counts.shape[1:]), dtype=counts.dtype)
+        item.counts[piece.start : piece.start + piece.count] = counts
     item.filled += piece.count
     if item.filled == item.size:
-        _settle(item, row=item.out)
+        _settle(item, row=item.out, counts=item.counts)
 
 
-def _settle(item: _Item, *, row: np.ndarray | None = None, error: BaseException | None = None) -> None:
+def _settle(
+    item: _Item, *, row: np.ndarray | None = None, counts: np.ndarray | None = None, error: BaseException | None = None
+) -> None:
     if item.answer.done():
         return
     if error is not None:
         item.answer.set_exception(error)
     else:
-        item.answer.set_result(row)  # type: ignore[arg-type]
+        item.answer.set_result((row, counts))  # type: ignore[arg-type]
