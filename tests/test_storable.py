@@ -18,7 +18,7 @@ from gateway.common.result_store import RESULT_UNSTORABLE
 from gateway.common.streams import Entry, StreamConsumer
 from gateway.protocol import ResultRecord, State, WebhookSpec, new_request_id, utc
 from gateway.protocol.redis_keys import BINDER_GROUP, Shard, webhook_slot
-from gateway.protocol.storable import UNSTORABLE_NUMBER
+from gateway.protocol.storable import NESTING_MOST, UNSTORABLE_NESTING, UNSTORABLE_NUMBER
 
 HUGE = 100000000000000000000  # the issue's schema: `"maximum": 100000000000000000000`
 SCHEMA = {
@@ -63,6 +63,39 @@ async def test_an_unstorable_number_in_a_tool_schema_is_refused_on_v1_chat_compl
     error = response.json()["error"]
     assert error["code"] == UNSTORABLE_NUMBER and error["param"] == "tools.0.function.parameters"
     assert WHERE in error["message"]
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """A tool schema whose properties nest `levels` objects deep."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+async def test_a_tool_schema_nested_past_what_storage_holds_is_refused_on_v1_responses(http) -> None:
+    body = {
+        "model": TOOLS_MODEL,
+        "input": "Deep?",
+        "tools": [{"type": "function", "name": "deep", "parameters": _nested(60)}],
+        "max_output_tokens": 8,
+    }
+    response = await http.post("/v1/responses", json=body)
+    assert response.status_code == 400, response.text  # was a 503 mongo_unavailable (MongoDB: 100 levels)
+    error = response.json()["error"]
+    assert error["code"] == UNSTORABLE_NESTING and error["param"] == "tools.0.parameters"
+    assert f"more than {NESTING_MOST} levels" in error["message"]
+
+
+async def test_a_tool_schema_nested_past_what_storage_holds_is_refused_on_infer(http) -> None:
+    inputs = {
+        "messages": [{"role": "user", "content": "Deep?"}],
+        "tools": [{"type": "function", "function": {"name": "deep", "parameters": _nested(60)}}],
+        "max_tokens": 8,
+    }
+    response = await http.post("/infer", json={"model": TOOLS_MODEL, "inputs": inputs})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == UNSTORABLE_NESTING
 
 
 async def test_an_unstorable_number_in_a_tool_schema_is_refused_on_infer(http) -> None:

@@ -5,9 +5,13 @@ and conversations are stored. JSON itself has no bound: Python's parser reads
 and MongoDB refuses an integer past 64 bits (PyMongo's OverflowError) where nothing but
 validation would have caught it.
 
-`first_unstorable` walks a value and names the first number storage cannot hold; the
-`StorableDict` and `StorableList` types refuse such a value at validation with the error
-type UNSTORABLE_NUMBER (the API answers it with the stable code of that name)."""
+Nor is JSON's nesting bounded, and MongoDB refuses a document nested past 100 levels: a
+free-form value may nest at most NESTING_MOST levels, room left for the record around it.
+
+`first_unstorable` walks a value and names the first number storage cannot hold, or the
+first container nested too deep; the `StorableDict` and `StorableList` types refuse such
+a value at validation with the error type UNSTORABLE_NUMBER or UNSTORABLE_NESTING (the
+API answers each with the stable code of that name)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,11 @@ from pydantic_core import PydanticCustomError
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 UNSTORABLE_NUMBER = "unstorable_number"
+UNSTORABLE_NESTING = "nested_too_deep"
+STORAGE_REFUSALS = frozenset({UNSTORABLE_NUMBER, UNSTORABLE_NESTING})
+# Levels a free-form value may nest: MongoDB holds 100 in a document, and the record, a
+# stored response or a conversation item holds such a value a few levels down.
+NESTING_MOST = 64
 # An integer up to this many bits is shown in a message; a longer one by its size (str()
 # of an integer of over 4,300 digits raises, and nobody reads that many).
 _SHOWN_BITS = 128
@@ -34,6 +43,7 @@ class Unstorable:
 
     loc: tuple[str | int, ...]
     why: str
+    code: str = UNSTORABLE_NUMBER
 
     @property
     def path(self) -> str:
@@ -56,11 +66,15 @@ def _why(value: int | float) -> str | None:
 
 def first_unstorable(value: Any) -> Unstorable | None:
     """The first number in a JSON value (dicts, lists, strings, numbers, booleans, None)
-    that storage cannot hold, depth first; None when every number fits. Iterative: a
+    that storage cannot hold, or its first container nested past NESTING_MOST levels,
+    depth first; None when storage holds it all. Iterative: a
     value nested as deep as the JSON parser allows is walked without recursion."""
     stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
     while stack:
         loc, item = stack.pop()
+        if isinstance(item, dict | list | tuple) and len(loc) >= NESTING_MOST:
+            deep = f"nested more than {NESTING_MOST} levels deep, past what storage holds"
+            return Unstorable(loc, deep, UNSTORABLE_NESTING)
         if isinstance(item, dict):
             stack.extend(((*loc, str(key)), inner) for key, inner in reversed(item.items()))
         elif isinstance(item, list | tuple):
@@ -73,14 +87,12 @@ def first_unstorable(value: Any) -> Unstorable | None:
 
 
 def refuse_unstorable(value: Any) -> Any:
-    """A pydantic validator: the value as it is, or the error UNSTORABLE_NUMBER naming
-    where in it the number is."""
+    """A pydantic validator: the value as it is, or the error UNSTORABLE_NUMBER (or
+    UNSTORABLE_NESTING) naming where in it the number (or the container) is."""
     found = first_unstorable(value)
     if found is None:
         return value
-    raise PydanticCustomError(
-        UNSTORABLE_NUMBER, "{path} is {why}", {"path": found.path or "the value", "why": found.why}
-    )
+    raise PydanticCustomError(found.code, "{path} is {why}", {"path": found.path or "the value", "why": found.why})
 
 
 # A free-form JSON object or list accepted from a caller, refused when storage cannot hold it.

@@ -17,7 +17,14 @@ from pymongo.errors import BulkWriteError, OperationFailure
 
 from gateway.common.result_store import RESULT_UNSTORABLE, ResultStore, Unstorable
 from gateway.protocol import ResultRecord, State, new_request_id, utc
-from gateway.protocol.storable import INT64_MAX, INT64_MIN, UNSTORABLE_NUMBER, first_unstorable
+from gateway.protocol.storable import (
+    INT64_MAX,
+    INT64_MIN,
+    NESTING_MOST,
+    UNSTORABLE_NESTING,
+    UNSTORABLE_NUMBER,
+    first_unstorable,
+)
 from gateway.server.api.errors import ErrorRenderer
 from gateway.server.models.base import InvalidInput, check
 from gateway.server.models.llm_engine import LOGPROBS_BUDGET_BYTES, EngineInputs, EngineLlmAdapter, logprobs_bound
@@ -70,6 +77,22 @@ def test_deep_nesting_is_walked_without_recursion() -> None:
         value = [value]
     found = first_unstorable({"deep": value})
     assert found is not None and found.path.startswith("deep[0][0]")
+
+
+def test_a_value_nested_past_the_most_is_refused_at_its_first_container_too_deep() -> None:
+    value: Any = {"leaf": 1}
+    for _ in range(NESTING_MOST):
+        value = {"a": value}
+    found = first_unstorable(value)
+    assert found is not None and found.code == UNSTORABLE_NESTING
+    assert len(found.loc) == NESTING_MOST
+
+
+def test_a_value_nested_to_the_most_is_storable() -> None:
+    value: Any = 1
+    for _ in range(NESTING_MOST):
+        value = [value]
+    assert first_unstorable(value) is None
 
 
 def chat_body(**extra: Any) -> dict[str, Any]:

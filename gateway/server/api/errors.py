@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.common.redis import NotReplicated, is_redis_full
-from gateway.protocol.storable import UNSTORABLE_NUMBER
+from gateway.protocol.storable import STORAGE_REFUSALS
 from gateway.server.errors import Busy, Conflict, InvalidRequest, Refused
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ def plain_errors(errors: list[Any]) -> list[dict[str, Any]]:
 def validation_code(errors: list[Any]) -> str:
     if any(e.get("type") == "json_invalid" for e in errors):
         return "invalid_json"
-    if errors and errors[0].get("type") == UNSTORABLE_NUMBER:
-        return UNSTORABLE_NUMBER  # a number storage cannot hold (gateway.protocol.storable)
+    if errors and errors[0].get("type") in STORAGE_REFUSALS:
+        return str(errors[0]["type"])  # what storage cannot hold (gateway.protocol.storable)
     return "validation_error"
 
 
@@ -137,9 +137,9 @@ class ErrorRenderer:
         return error_response(status, code, message, details, headers)
 
     def validation(self, path: str, errors: list[Any]) -> JSONResponse:
-        # A number storage cannot hold is what to say first, before a union's other
+        # What storage cannot hold is what to say first, before a union's other
         # branches' complaints (the input was an object, not "a valid string").
-        errors = sorted(errors, key=lambda e: e.get("type") != UNSTORABLE_NUMBER)
+        errors = sorted(errors, key=lambda e: e.get("type") not in STORAGE_REFUSALS)
         return self.response(path, 422, validation_code(errors), validation_message(errors), plain_errors(errors))
 
     def of(self, path: str, method: str, exc: Exception) -> JSONResponse | None:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 
 from gateway.protocol import IndexRef, Usage
-from gateway.protocol.storable import UNSTORABLE_NUMBER
+from gateway.protocol.storable import STORAGE_REFUSALS
 
 T = TypeVar("T")
 
@@ -215,8 +215,8 @@ def check(model: type[BaseModel], value: dict[str, Any], what: str, code: str) -
         where = ".".join(str(p) for p in first["loc"])
         message = f"{what}: {where}: {first['msg']}" if where else f"{what}: {first['msg']}"
         plain = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-        # A number storage cannot hold has a code of its own (the same on every API).
-        raise InvalidInput(UNSTORABLE_NUMBER if first["type"] == UNSTORABLE_NUMBER else code, message, plain) from None
+        # What storage cannot hold has a code of its own (the same on every API).
+        raise InvalidInput(first["type"] if first["type"] in STORAGE_REFUSALS else code, message, plain) from None
 
 
 def tensor(name: str, value: np.ndarray, datatype: str) -> InferInput:
