@@ -4,6 +4,7 @@ and creating or updating one counts as a request against its requests per minute
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -44,3 +45,12 @@ async def test_creating_and_updating_a_conversation_count_against_requests_per_m
         third = await client.post(f"/v1/conversations/{conversation}", json={"metadata": {"a": "c"}})
         fourth = await client.post("/v1/conversations", json={})
     assert (third.status_code, fourth.status_code) == (429, 429), (third.text, fourth.text)
+
+
+async def test_concurrent_creates_cannot_all_pass_the_conversation_quota(stack, capped) -> None:
+    async with client_for(stack, await new_key(stack, "tenant-conversation-race"), url=capped) as client:
+        answers = await asyncio.gather(*(client.post("/v1/conversations", json={}) for _ in range(12)))
+    made = [a for a in answers if a.status_code == 200]
+    refused = [a for a in answers if a.status_code == 403]
+    assert len(made) == MOST and len(refused) == 12 - MOST, [a.text for a in answers]
+    assert all(a.json()["error"]["code"] == "conversation_count_quota_exceeded" for a in refused)

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -42,6 +40,7 @@ from gateway.server.openai.files.store import (
 )
 from gateway.server.openai.paging import listing
 from gateway.server.services import Services, services
+from gateway.server.tenants.reservations import Over, Release, now_ms, reserve
 
 log = logging.getLogger(__name__)
 
@@ -121,36 +120,9 @@ async def before_upload(svc: Services, who: Caller, declared: int | None) -> Non
     await refuse_over_quota(svc, who.tenant, size)
 
 
-# The uploads of a tenant being stored, each with its size (`<bytes>:<expires at, ms>`): what
-# counts against its quota besides the files it keeps (reservations: RESERVE).
+# The uploads of a tenant being stored: what counts against its quota besides the files
+# it keeps (gateway.server.tenants.reservations).
 RESERVATIONS_KEY = "uploads:reserved:{{{tenant}}}"
-# A reservation whose upload never released it (its gateway died mid-store) lapses after this.
-RESERVATION_TTL_MS = 15 * 60 * 1000
-
-# KEYS: the tenant's reservations. ARGV: reservation id, its bytes, now (ms), its TTL (ms),
-# the tenant's files and their bytes as stored, its TENANT_MAX_FILES, its TENANT_MAX_FILE_BYTES
-# (0: none). The upload is reserved only if it fits beside the files and every other
-# reservation: {1}, or {0, 'count' | 'bytes', what is used with the reservations}.
-RESERVE = """
-local now = tonumber(ARGV[3])
-local held, bytes = 0, 0
-local found = redis.call('HGETALL', KEYS[1])
-for i = 1, #found, 2 do
-  local size, expires = string.match(found[i + 1], '^(%d+):(%d+)$')
-  if tonumber(expires) <= now then
-    redis.call('HDEL', KEYS[1], found[i])
-  else
-    held, bytes = held + 1, bytes + tonumber(size)
-  end
-end
-local count, used = tonumber(ARGV[5]) + held, tonumber(ARGV[6]) + bytes
-local max_files, max_bytes = tonumber(ARGV[7]), tonumber(ARGV[8])
-if max_files > 0 and count + 1 > max_files then return {0, 'count', count} end
-if max_bytes > 0 and used + tonumber(ARGV[2]) > max_bytes then return {0, 'bytes', used} end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. (now + tonumber(ARGV[4])))
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {1}
-"""
 
 
 async def refuse_over_quota(svc: Services, tenant: str, size: int) -> None:
@@ -172,7 +144,7 @@ async def upload_reserved(svc: Services, tenant: str, size: int) -> AsyncIterato
         await release()
 
 
-async def reserve_upload(svc: Services, tenant: str, size: int) -> Callable[[], Awaitable[None]]:
+async def reserve_upload(svc: Services, tenant: str, size: int) -> Release:
     """Reserve size bytes and a file of the tenant's quota (TENANT_MAX_FILES,
     TENANT_MAX_FILE_BYTES; 0: no limit; a batch's output files count too), atomically
     beside the other uploads' reservations; ApiError 403 if it does not fit. Returns its
@@ -185,34 +157,36 @@ async def reserve_upload(svc: Services, tenant: str, size: int) -> Callable[[], 
 
     if not max_files and not max_bytes:
         return nothing
+    counted_at_ms = now_ms()
     count, used = await svc.files.usage(tenant)
-    key, reservation = RESERVATIONS_KEY.format(tenant=tenant), secrets.token_hex(8)
-    now_ms = int(time.time() * 1000)
-    reply = await svc.redis.eval(
-        RESERVE, 1, key, reservation, size, now_ms, RESERVATION_TTL_MS, count, used, max_files, max_bytes
+    key = RESERVATIONS_KEY.format(tenant=tenant)
+    reserved = await reserve(
+        svc.redis,
+        key,
+        kept=count,
+        kept_bytes=used,
+        counted_at_ms=counted_at_ms,
+        size=size,
+        max_count=max_files,
+        max_bytes=max_bytes,
     )
-    if int(reply[0]) == 0:
-        kind, held = str(reply[1]), int(reply[2])
-        if kind == "count":
-            raise ApiError(
-                403,
-                "file_count_quota_exceeded",
-                f"tenant {tenant} keeps or is storing {held} files, its quota (TENANT_MAX_FILES) is {max_files}: "
-                "delete some first",
-                details={"quota": "TENANT_MAX_FILES", "limit": max_files, "used": held},
-            )
+    if isinstance(reserved, Over) and reserved.kind == "count":
+        raise ApiError(
+            403,
+            "file_count_quota_exceeded",
+            f"tenant {tenant} keeps or is storing {reserved.used} files, its quota (TENANT_MAX_FILES) is "
+            f"{max_files}: delete some first",
+            details={"quota": "TENANT_MAX_FILES", "limit": max_files, "used": reserved.used},
+        )
+    if isinstance(reserved, Over):
         raise ApiError(
             403,
             "file_bytes_quota_exceeded",
-            f"tenant {tenant} keeps or is storing {held} bytes of files, this file would take it past its quota "
-            f"(TENANT_MAX_FILE_BYTES) of {max_bytes}: delete some first",
-            details={"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": held},
+            f"tenant {tenant} keeps or is storing {reserved.used} bytes of files, this file would take it past its "
+            f"quota (TENANT_MAX_FILE_BYTES) of {max_bytes}: delete some first",
+            details={"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": reserved.used},
         )
-
-    async def release() -> None:
-        await svc.redis.hdel(key, reservation)
-
-    return release
+    return reserved
 
 
 def label(filename: str | None) -> str:

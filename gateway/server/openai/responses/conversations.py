@@ -23,6 +23,8 @@ they need (by position, by item id), never the whole conversation."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -38,6 +40,7 @@ from gateway.server.openai.responses.items import check_include, items_of, with_
 from gateway.server.openai.responses.store import ConversationStore, item_entry
 from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported
 from gateway.server.services import Services, services
+from gateway.server.tenants.reservations import Over, now_ms, reserve
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -80,22 +83,40 @@ async def _add(
     return items
 
 
-async def _refuse_over_count(svc: Services, store: ConversationStore, tenant: str) -> None:
-    """403 when the tenant keeps TENANT_MAX_CONVERSATIONS conversations not expired (0: no limit)."""
+# The conversations of a tenant being created now: they count against its quota beside
+# those it keeps (gateway.server.tenants.reservations).
+RESERVATIONS_KEY = "conversations:reserved:{{{tenant}}}"
+
+
+@asynccontextmanager
+async def _reserved(svc: Services, store: ConversationStore, tenant: str) -> AsyncIterator[None]:
+    """A conversation reserved against TENANT_MAX_CONVERSATIONS (0: no limit) while the
+    block creates it, atomically beside the other creates in flight: 403 when it does not
+    fit beside those the tenant keeps, not expired."""
     limit = svc.settings.tenant_max_conversations
     if not limit:
+        yield
         return
+    counted_at_ms = now_ms()
     kept = await store.conversations.count_documents(
         {"tenant": tenant, "expires_at": {"$gt": datetime.now(UTC)}}, limit=limit
     )
-    if kept >= limit:
+    key = RESERVATIONS_KEY.format(tenant=tenant)
+    reserved = await reserve(
+        svc.redis, key, kept=kept, kept_bytes=0, counted_at_ms=counted_at_ms, size=0, max_count=limit, max_bytes=0
+    )
+    if isinstance(reserved, Over):
         raise ApiError(
             403,
             "conversation_count_quota_exceeded",
-            f"tenant {tenant} keeps {kept} conversations, its quota (TENANT_MAX_CONVERSATIONS) is {limit}: "
-            "delete some first",
-            details={"quota": "TENANT_MAX_CONVERSATIONS", "limit": limit, "used": kept},
+            f"tenant {tenant} keeps or is creating {reserved.used} conversations, its quota "
+            f"(TENANT_MAX_CONVERSATIONS) is {limit}: delete some first",
+            details={"quota": "TENANT_MAX_CONVERSATIONS", "limit": limit, "used": reserved.used},
         )
+    try:
+        yield
+    finally:
+        await reserved()
 
 
 @router.post("/conversations", summary="Create a conversation")
@@ -107,8 +128,8 @@ async def create_conversation(
     svc = services(request)
     store = ConversationStore(svc)
     who.headers |= await svc.quotas.admit(who.config, 1)  # a create is a request per minute
-    await _refuse_over_count(svc, store, who.scope)
-    document = await store.create(who.scope, dict(body.metadata or {}))
+    async with _reserved(svc, store, who.scope):
+        document = await store.create(who.scope, dict(body.metadata or {}))
     if items:
         await _add(request, who, document["_id"], body.items or [], admitted=True)
     return JSONResponse(_object(document))
