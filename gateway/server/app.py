@@ -402,4 +402,5 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         uploads={"/v1/files": (settings.max_file_bytes + UPLOAD_FRAMING, max(settings.body_timeout_s, 600.0))},
         before_body={"/v1/files": before_upload},
         hot=hot,
+        long_polls=lambda: app.state.services.events.long_polls,
     )

@@ -138,6 +138,7 @@ class Edge:
         before_body: dict[str, BeforeBody] | None = None,
         hot: HotRoutes | None = None,
         services: Callable[[], Services] | None = None,
+        long_polls: Callable[[], int] = lambda: 0,
     ) -> None:
         self.app = app
         # The app's services (its settings, the key store): set by its lifespan.
@@ -152,6 +153,8 @@ class Edge:
         # (an upload past the tenant's quota is refused before a byte of it is spooled).
         self.before_body = before_body or {}
         self.hot = hot
+        # The long polls waiting now (the event hub's), left out of the overload shed's count.
+        self.long_polls = long_polls
         self._routes: list[tuple[re.Pattern[str], str]] | None = None
         self._counters: dict[tuple[str, str, int], Counter] = {}
         self._timers: dict[tuple[str, str], Histogram] = {}
@@ -276,7 +279,7 @@ class Edge:
             if path not in QUIET_PATHS and limits.inflight:
                 # A long poll holds a place of the event hub's pool, which bounds it by
                 # tenant: it is no work in flight, and no tenant's polls shed another's calls.
-                if self.inflight - self.services().events.long_polls >= limits.inflight:
+                if self.inflight - self.long_polls() >= limits.inflight:
                     await self._shed(scope, limits, headers, limited_receive, edge_send)
                     return
                 self.inflight += 1
