@@ -40,6 +40,17 @@ EXTENSIONS: dict[str, set[str]] = {
 # them), which the openai package's Response does not define.
 _RESPONSE_EXTRAS = ("store", "presence_penalty", "frequency_penalty")
 EXTENSIONS["Response"] = {f"$.{name}" for name in _RESPONSE_EXTRAS}
+# /v1/models serves OpenAI's and Anthropic's model objects at once (README, Models): the
+# Anthropic SDK's ModelInfo (type, display_name, created_at, lifecycle) and page (has_more,
+# first_id, last_id), and the context the agent CLIs read (context_window, max_input_tokens,
+# max_tokens).
+_MODEL_EXTRAS = ("type", "display_name", "created_at", "lifecycle", "context_window", "max_input_tokens", "max_tokens")
+EXTENSIONS["Model"] = {f"$.{name}" for name in _MODEL_EXTRAS}
+EXTENSIONS["SyncPage[Model]"] = {f"$.data[].{name}" for name in _MODEL_EXTRAS} | {
+    "$.has_more",
+    "$.first_id",
+    "$.last_id",
+}
 for _event in ("Created", "Queued", "InProgress", "Completed", "Incomplete", "Failed"):
     EXTENSIONS[f"Response{_event}Event"] = {f"$.response.{name}" for name in _RESPONSE_EXTRAS}
 # Streamed deltas carry `obfuscation` (random padding) unless stream_options.include_obfuscation
