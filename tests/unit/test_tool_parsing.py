@@ -53,9 +53,11 @@ def test_two_calls_in_one_hermes_block_are_both_read_in_order() -> None:
     assert calls == [ToolCall("get_time", "{}"), ToolCall("get_weather", '{"city": "Oslo"}')]
 
 
-def test_a_hermes_block_with_text_beside_its_call_is_text() -> None:
-    text = _block('{"name": "get_time", "arguments": {}} and some words')
-    assert tools.parse(text, HERMES, OFFERED) == (text, [])
+def test_a_hermes_block_with_text_beside_its_call_keeps_the_text_and_reads_the_call() -> None:
+    # (tests/test_tool_call_leftovers.py: stray text beside a call is the model's words)
+    text, calls = tools.parse(_block('{"name": "get_time", "arguments": {}} and some words'), HERMES, OFFERED)
+    assert calls == [ToolCall("get_time", "{}")]
+    assert text.split() == ["and", "some", "words"]
 
 
 def test_a_hermes_block_holding_json_that_is_not_a_call_is_text() -> None:
