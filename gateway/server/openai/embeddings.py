@@ -2,14 +2,16 @@
 list. A call is one durable request, whatever its inputs: one id, one queue entry, one run
 (its rows split into Triton calls of the model's max_batch_size), one record holding all
 its vectors as float32 bytes (gateway.protocol.vectors), one MongoDB document, one FAISS
-add of a row per input. The answer is made from those bytes: base64 slices them (without
-decoding where a row is whole base64 groups), floats are rendered by numpy and
-pydantic-core only when asked for. `dimensions` is refused: these models have a fixed
+add of a row per input. The answer is written from those bytes as JSON text, the vectors put
+between its fixed parts: a row's base64 is a slice of the stored block's where a row is
+whole base64 groups (text_embed's 1,536 bytes), else encoded from its slice of the block's
+bytes, decoded once (clip_text's 2,048); floats are rendered by numpy and pydantic-core a
+row at a time, only when asked for. `dimensions` is refused: these models have a fixed
 size. `input` takes strings (token arrays are refused by their type)."""
 
 from __future__ import annotations
 
-import base64
+import binascii
 from typing import Annotated, Any
 
 import numpy as np
@@ -71,20 +73,36 @@ def embedding_requests(body: EmbeddingRequest, svc: Services) -> list[InferReque
 def rendered(value: Any, encoding: str) -> list[Any]:
     """One answer's embedding per vector an output holds: packed float32 bytes (one per
     row) or, in records of the single-input form, one list of floats."""
+    if encoding == "base64":
+        return [bytes(row).decode("ascii") for row in base64_rows(value)]
     if not is_packed(value):
-        if encoding == "base64":
-            return [base64.b64encode(np.asarray(value, dtype="<f4").tobytes()).decode("ascii")]
         return [value]
     rows, dim = packed_shape(value)
+    return np.frombuffer(packed_bytes(value), dtype="<f4").reshape(rows, dim).tolist()
+
+
+def base64_rows(value: Any) -> list[bytes | memoryview]:
+    """Each vector's base64 (ASCII bytes): slices of the block's own base64 where each row is
+    whole base64 groups, else each encoded from its slice of the block's bytes."""
+    if not is_packed(value):
+        return [binascii.b2a_base64(np.asarray(value, dtype="<f4").tobytes(), newline=False)]
+    rows, dim = packed_shape(value)
     row_bytes = dim * ITEM_BYTES
-    if encoding == "base64" and isinstance(value["data"], str) and row_bytes % 3 == 0:
+    if isinstance(value["data"], str) and row_bytes % 3 == 0:
         # Each row is whole base64 groups: its base64 is a slice of the block's, no decoding.
-        text, width = value["data"], row_bytes // 3 * 4
+        text, width = memoryview(value["data"].encode("ascii")), row_bytes // 3 * 4
         return [text[row * width : (row + 1) * width] for row in range(rows)]
     raw = memoryview(packed_bytes(value))
-    if encoding == "base64":
-        return [base64.b64encode(raw[row * row_bytes : (row + 1) * row_bytes]).decode("ascii") for row in range(rows)]
-    return np.frombuffer(raw, dtype="<f4").reshape(rows, dim).tolist()
+    return [binascii.b2a_base64(raw[row * row_bytes : (row + 1) * row_bytes], newline=False) for row in range(rows)]
+
+
+def float_rows(value: Any) -> list[bytes]:
+    """Each vector's JSON array of floats (as numpy's tolist and pydantic-core write them)."""
+    if not is_packed(value):
+        return [to_json(value)]
+    rows, dim = packed_shape(value)
+    matrix = np.frombuffer(packed_bytes(value), dtype="<f4").reshape(rows, dim)
+    return [to_json(row.tolist()) for row in matrix]
 
 
 def embeddings_response(
@@ -109,6 +127,28 @@ def embeddings_response(
     }
 
 
+def embeddings_answer(records: list[ResultRecord], adapter: EmbeddingAdapter, body: EmbeddingRequest) -> bytes:
+    """embeddings_response's JSON, written directly: its fixed parts around each vector's
+    base64 (ASCII that JSON needs no escape for: bytes of the stored block as they are, no
+    string made of them) or floats, joined once (raises for a request that did not succeed)."""
+    as_base64 = body.encoding_format == "base64"
+    quote = b'"' if as_base64 else b""
+    parts: list[bytes | memoryview] = [b'{"object":"list","data":[']
+    tokens = index = 0
+    for record in records:
+        common.raise_for_record(record)
+        value = (record.outputs or {}).get(adapter.output_name) or []
+        for vector in base64_rows(value) if as_base64 else float_rows(value):
+            parts += [b'{"object":"embedding","index":%d,"embedding":%b' % (index, quote), vector, quote + b"},"]
+            index += 1
+        tokens += record.usage.prompt_tokens if record.usage else 0
+    if index:
+        parts[-1] = quote + b"}"  # (no comma after the last)
+    usage = b'{"prompt_tokens":%d,"total_tokens":%d}' % (tokens, tokens)
+    parts.append(b'],"model":%b,"usage":%b}' % (to_json(body.model), usage))
+    return b"".join(parts)
+
+
 @router.post("/embeddings", summary="Create embeddings (OpenAI)")
 async def create_embeddings(body: EmbeddingRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
     svc = services(request)
@@ -116,8 +156,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, who: Annot
     natives = embedding_requests(body, svc)
     ids = await common.start(svc, who, request, natives)
     records = await common.wait_records(svc, who, ids, svc.settings.default_timeout_s)
-    # pydantic-core writes the JSON (floats included) in one pass, without json.dumps.
-    answer = to_json(embeddings_response(records, adapter, body))
+    answer = embeddings_answer(records, adapter, body)
     return Response(answer, media_type="application/json", headers={"x-request-id": ",".join(ids)})
 
 
