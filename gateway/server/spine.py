@@ -145,7 +145,7 @@ async def accept(
     bodies = [checks.salted(registry, who, body) for body in bodies]
     with tracing.span("accept.tokenize"):
         try:
-            prepared, prompt_tokens = await checks.prepare(registry, settings, bodies)
+            prepared, prompt_tokens = await checks.prepare(registry, settings, bodies, who.tenant, refuse=not batch)
         except InvalidRequest as refused:
             if refused.code == "prompt_too_long" and not batch:
                 # The tokenization it cost was work: the refusal counts as one of the

@@ -16,7 +16,7 @@ from typing import Any
 from gateway.protocol.http import InferRequest
 from gateway.server.errors import Conflict, InvalidRequest
 from gateway.server.models import InvalidInput, ModelRegistry
-from gateway.server.models.base import off_the_loop_if_long
+from gateway.server.models.tokenize_pool import off_the_loop_if_long
 from gateway.server.queue.jobs import Admission
 from gateway.server.settings import GatewaySettings
 from gateway.server.tenants.caller import Caller
@@ -53,17 +53,23 @@ def body_hash(body: InferRequest) -> str:
 
 
 async def prepare(
-    registry: ModelRegistry, settings: GatewaySettings, bodies: list[InferRequest]
+    registry: ModelRegistry,
+    settings: GatewaySettings,
+    bodies: list[InferRequest],
+    tenant: str | None,
+    *,
+    refuse: bool = True,
 ) -> tuple[list[Any], list[int | None]]:
     """Each body validated by its model (InvalidRequest otherwise), and its prompt's tokens
-    where the model counts them; long inputs in a worker thread (models.base.off_the_loop_if_long)."""
+    where the model counts them; long inputs in the tokenize pool, in the tenant's share of
+    it (refuse=False: never refused for it, as for a batch's lines; models.tokenize_pool)."""
 
     def work() -> tuple[list[Any], list[int | None]]:
         prepared = [validate(registry, settings, body) for body in bodies]
         tokens = [registry.adapters[b.model].prompt_tokens(p) for b, p in zip(bodies, prepared, strict=True)]
         return prepared, tokens
 
-    return await off_the_loop_if_long([body.inputs for body in bodies], work)
+    return await off_the_loop_if_long([body.inputs for body in bodies], work, tenant=tenant, refuse=refuse)
 
 
 def validate(registry: ModelRegistry, settings: GatewaySettings, body: InferRequest) -> Any:

@@ -9,7 +9,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from gateway.server.llm.tokenizer import token_ids
-from gateway.server.models.base import LONG_INPUT_CHARS, off_the_loop_if_long, text_chars
+from gateway.server.models.base import LONG_INPUT_CHARS, text_chars
+from gateway.server.models.tokenize_pool import off_the_loop_if_long
 from gateway.stack.stack import minilm_dir
 
 
@@ -25,12 +26,14 @@ def test_counting_stops_once_the_characters_are_over_the_limit() -> None:
 
 async def test_long_inputs_are_worked_on_in_another_thread() -> None:
     loop_thread = threading.get_ident()
-    worked_in = await off_the_loop_if_long({"text_input": "x" * (LONG_INPUT_CHARS + 1)}, threading.get_ident)
+    worked_in = await off_the_loop_if_long(
+        {"text_input": "x" * (LONG_INPUT_CHARS + 1)}, threading.get_ident, tenant=None
+    )
     assert worked_in != loop_thread
 
 
 async def test_short_inputs_are_worked_on_at_once_in_the_loop_thread() -> None:
-    worked_in = await off_the_loop_if_long({"text_input": "x" * LONG_INPUT_CHARS}, threading.get_ident)
+    worked_in = await off_the_loop_if_long({"text_input": "x" * LONG_INPUT_CHARS}, threading.get_ident, tenant=None)
     assert worked_in == threading.get_ident()
 
 

@@ -58,7 +58,7 @@ from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.llm import tools as toolcalls
 from gateway.server.models import InvalidInput
-from gateway.server.models.base import off_the_loop_if_long
+from gateway.server.models.tokenize_pool import off_the_loop_if_long
 from gateway.server.openai import chat, common
 from gateway.server.openai.schemas import ChatCompletionRequest, refuse_unsupported, unsupported
 from gateway.server.services import Services, services
@@ -400,7 +400,7 @@ async def count_tokens(
         return adapter.prompt_tokens(adapter.validate(native.inputs, native.parameters)) or 0
 
     try:
-        tokens = await off_the_loop_if_long(native.inputs, count)
+        tokens = await off_the_loop_if_long(native.inputs, count, tenant=who.tenant)
     except InvalidInput as exc:
         details = exc.details if isinstance(exc.details, dict) else {}
         if exc.code == "prompt_too_long" and isinstance(details.get("prompt_tokens"), int):

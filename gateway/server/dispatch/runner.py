@@ -31,7 +31,8 @@ from gateway.server.dispatch.emitter import StaleRun, TokenEmitter
 from gateway.server.dispatch.failures import Failure, classify
 from gateway.server.dispatch.relay import TokenRelay
 from gateway.server.models import InvalidInput, ModelAdapter, ModelRegistry, Run
-from gateway.server.models.base import Resume, RunError, off_the_loop_if_long, tensor
+from gateway.server.models.base import Resume, RunError, tensor
+from gateway.server.models.tokenize_pool import off_the_loop_if_long
 from gateway.server.queue.jobs import Job, JobStore
 from gateway.server.replicas import Replica, ReplicaPool
 from gateway.server.replicas.batching import BatchedInfer
@@ -107,7 +108,11 @@ class Runner:
             adapter = self.registry.get(job.model)
             if prepared is None:
                 inputs, parameters = job.payload["inputs"], job.payload.get("parameters", {})
-                prepared = await off_the_loop_if_long(inputs, lambda: adapter.validate(inputs, parameters))
+                # Accepted already (queued by any process): never refused for the tenant's
+                # share of the tokenize pool, counted in it all the same; it ends once, as any run.
+                prepared = await off_the_loop_if_long(
+                    inputs, lambda: adapter.validate(inputs, parameters), tenant=job.tenant, refuse=False
+                )
         except InvalidInput as exc:
             return job.record(State.FAILED, error=ErrorInfo(code=exc.code, message=exc.message))
         stream = bool(job.payload.get("stream", False)) and adapter.decoupled

@@ -4,11 +4,9 @@ emit as each response arrives, and the outputs at the end."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -17,13 +15,11 @@ from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 from gateway.protocol import IndexRef, Usage
 from gateway.protocol.storable import STORAGE_REFUSALS
 
-T = TypeVar("T")
-
 # Inputs with more text than this (characters, all their strings together) are validated
-# in a worker thread. Validating an LLM request tokenizes its prompt: ~4 ms for 9,000
-# characters on the 2-core machine, ~3 s for the 8 MB a body may hold, and the event
-# loop would serve no other call meanwhile. Below it the thread's hand-off costs more
-# than it saves.
+# in a thread of the tokenize pool (gateway.server.models.tokenize_pool). Validating an
+# LLM request tokenizes its prompt: ~4 ms for 9,000 characters on the 2-core machine,
+# ~3 s for the 8 MB a body may hold, and the event loop would serve no other call
+# meanwhile. Below it the thread's hand-off costs more than it saves.
 LONG_INPUT_CHARS = 8192
 
 
@@ -39,15 +35,6 @@ def text_chars(value: Any, most: int = LONG_INPUT_CHARS) -> int:
         elif isinstance(item, list | tuple):
             pending.extend(item)
     return total
-
-
-async def off_the_loop_if_long(inputs: Any, work: Callable[[], T]) -> T:
-    """work(), in a worker thread when the inputs hold over LONG_INPUT_CHARS characters of
-    text (the tokenizer lets go of the interpreter's lock: gateway.server.llm.tokenizer.
-    token_ids), else at once."""
-    if text_chars(inputs) > LONG_INPUT_CHARS:
-        return await asyncio.to_thread(work)
-    return work()
 
 
 class InvalidInput(Exception):

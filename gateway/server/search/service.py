@@ -17,8 +17,8 @@ from gateway.protocol.http import SearchHit, SearchRequest, SearchResponse
 from gateway.server.dispatch.failures import classify
 from gateway.server.errors import InvalidRequest, Unavailable
 from gateway.server.models import InvalidInput, ModelRegistry
-from gateway.server.models.base import off_the_loop_if_long
 from gateway.server.models.embedding import EmbeddingAdapter
+from gateway.server.models.tokenize_pool import off_the_loop_if_long
 from gateway.server.replicas import ReplicaPool
 from gateway.server.results.reader import ResultReader
 from gateway.server.search.binders import BinderClient
@@ -75,7 +75,8 @@ class SearchService:
                     headers = await self.quotas.admit(config, 0)
                 if self.usage is not None:
                     self.usage.count(config.tenant, "searches")
-            vector = await self.embed(model, {"text": query.text} if kind == "text" else {"image": query.image})
+            raw = {"text": query.text} if kind == "text" else {"image": query.image}
+            vector = await self.embed(model, raw, config.tenant if config else None)
             hits = await self.binders.nearest(space, vector, query.k, tenant)
             records = await self.results.get_many([hit["request_id"] for hit in hits], tenant)
         response = SearchResponse(
@@ -89,10 +90,12 @@ class SearchService:
         )
         return response, headers
 
-    async def embed(self, adapter: EmbeddingAdapter, raw_inputs: dict[str, str | None]) -> list[float]:
+    async def embed(
+        self, adapter: EmbeddingAdapter, raw_inputs: dict[str, str | None], tenant: str | None
+    ) -> list[float]:
         try:
-            # A large image's base64 and header scan in a worker thread, as a submission's.
-            prepared = await off_the_loop_if_long(raw_inputs, lambda: adapter.validate(raw_inputs, {}))
+            # A large image's base64 and header scan in the tokenize pool, in the tenant's share.
+            prepared = await off_the_loop_if_long(raw_inputs, lambda: adapter.validate(raw_inputs, {}), tenant=tenant)
         except InvalidInput as exc:
             raise InvalidRequest("invalid_query", exc.message) from None
         try:

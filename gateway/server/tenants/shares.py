@@ -1,8 +1,9 @@
 """A tenant's share of a process's shared pools (the event hub's followers and long polls,
-searches in flight): a pool holds at most `total` at once, a tenant at most `share` of
-them, so one tenant holding its whole share leaves the rest to the others. Counted in
-the process (each gateway process has pools of its own); a hold is released when its
-block ends, however it ends."""
+searches in flight, long tokenizations: gateway.server.models.tokenize_pool): a pool
+holds at most `total` at once, a tenant at most `share` of them, so one tenant holding
+its whole share leaves the rest to the others. Counted in the process (each gateway
+process has pools of its own); a hold is released when its block ends, however it ends
+(or, taken without a block, at its release)."""
 
 from __future__ import annotations
 
@@ -84,15 +85,26 @@ class SharedPool:
     @contextmanager
     def hold(self, tenant: str | None) -> Iterator[None]:
         """Hold one place of the pool for the block (refused at once when there is none)."""
-        self.check(tenant)  # (no await between the check and the count: nothing comes between)
-        self.held += 1
-        if tenant is not None:
-            self.by_tenant[tenant] += 1
+        self.take(tenant)
         try:
             yield
         finally:
-            self.held -= 1
-            if tenant is not None:
-                self.by_tenant[tenant] -= 1
-                if self.by_tenant[tenant] <= 0:
-                    del self.by_tenant[tenant]
+            self.release(tenant)
+
+    def take(self, tenant: str | None, *, refuse: bool = True) -> None:
+        """Hold one place until release(tenant), for a hold that ends elsewhere than where
+        it began (work in another thread). refuse=False: counted without the check, for work
+        that must not be refused (it still counts against the tenant's share and the total,
+        so the holds after it see it)."""
+        if refuse:
+            self.check(tenant)  # (no await between the check and the count: nothing comes between)
+        self.held += 1
+        if tenant is not None:
+            self.by_tenant[tenant] += 1
+
+    def release(self, tenant: str | None) -> None:
+        self.held -= 1
+        if tenant is not None:
+            self.by_tenant[tenant] -= 1
+            if self.by_tenant[tenant] <= 0:
+                del self.by_tenant[tenant]
