@@ -122,3 +122,12 @@ def test_rows_answered_without_the_count_are_settled_by_the_gateways_own_tokeniz
     run.take(RowResult("embedding", np.zeros((2, 384), dtype=np.float32)))  # a shared call's rows
     _, usage = run.final()
     assert usage is not None and usage.prompt_tokens == 4 + 256  # truncated where the model truncates
+
+
+def test_what_admission_reserved_is_read_again_from_the_records_inputs(directory: str) -> None:
+    adapter = _adapter(directory, max_input_tokens=256)
+    for value in (TEXTS, TEXTS[-1]):
+        prepared = adapter.validate({"text": value}, {})
+        assert adapter.reserved_tokens(adapter.stored_inputs(prepared)) == adapter.prompt_tokens(prepared)
+    exact = EmbeddingAdapter("m", "m", input_kind="text", output_name="embedding", space=None, tokenizer_dir=directory)
+    assert exact.reserved_tokens({"text": "a cat"}) is None  # charged its count at admission: nothing to settle

@@ -38,6 +38,7 @@ from gateway.server.dispatch.runner import Runner
 from gateway.server.dispatch.sweeper import Sweeper
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.models import ModelRegistry
+from gateway.server.models.embedding import EmbeddingAdapter
 from gateway.server.models.inputs import limit_image_pixels
 from gateway.server.models.tokenize_pool import limit_tokenizing
 from gateway.server.openai import chat, embeddings
@@ -111,22 +112,44 @@ def count_tenant(metrics: GatewayMetrics, settings: GatewaySettings, record: Res
 
 
 def token_counter(
-    quotas: Quotas, tenants: TenantStore, background: Callable[[Coroutine[Any, Any, Any]], None]
+    quotas: Quotas,
+    tenants: TenantStore,
+    background: Callable[[Coroutine[Any, Any, Any]], None],
+    registry: ModelRegistry,
 ) -> Callable[[ResultRecord], None]:
-    """A finished request's completion tokens count against its tenant's tokens per minute
-    (its prompt tokens were charged at admission): only for tenants with such a limit."""
+    """A finished request settles its tenant's tokens per minute (only for tenants with such
+    a limit): its completion tokens are charged (its prompt's were at admission), and where
+    admission reserved an upper bound of the prompt instead of its count (an embedding model
+    that counts its texts' tokens itself: EmbeddingAdapter.reserved_tokens) what the usage,
+    the model's count, left of it is given back, so the window holds the model's count.
+    Batch lines were not charged at admission (their records carry their batch_id): nothing
+    of theirs is given back."""
 
     def count(record: ResultRecord) -> None:
         config = tenants.cached(record.tenant)
         limited = config is None or config.effective.tokens_per_minute
-        if record.usage is not None and record.usage.completion_tokens and limited:
-            background(charge(record.tenant, record.usage.completion_tokens))
+        if record.usage is None or not limited:
+            return
+        owed = record.usage.completion_tokens - unused(record, record.usage.prompt_tokens)
+        if owed:
+            background(charge(record.tenant, owed))
+
+    def unused(record: ResultRecord, prompt_tokens: int) -> int:
+        adapter = registry.adapters.get(record.model)
+        if not isinstance(adapter, EmbeddingAdapter) or "batch_id" in record.metadata:
+            return 0
+        reserved = adapter.reserved_tokens(record.inputs)
+        return max(0, reserved - prompt_tokens) if reserved is not None else 0
 
     async def charge(tenant: str, tokens: int) -> None:
         try:
-            await quotas.used_tokens(await tenants.get(tenant), tokens)
+            config = await tenants.get(tenant)
+            if tokens > 0:
+                await quotas.used_tokens(config, tokens)
+            else:
+                await quotas.unreserve(config, -tokens)
         except Exception as exc:  # the limit lags a little; the request is done
-            log.warning("charging %d tokens to %s failed: %s", tokens, tenant, exc)
+            log.warning("settling %d tokens of %s failed: %s", tokens, tenant, exc)
 
     return count
 
@@ -279,7 +302,7 @@ def create_app(settings: GatewaySettings | None = None) -> Edge:
         pool.on_admitted.append(lambda replica: dispatcher.wake())
         dispatcher.finished_hooks.append(usage.add)
         dispatcher.finished_hooks.append(lambda record: count_tenant(metrics, settings, record))
-        dispatcher.finished_hooks.append(token_counter(quotas, tenants, background))
+        dispatcher.finished_hooks.append(token_counter(quotas, tenants, background, registry))
         sweeper = Sweeper(jobs, pool, settings, metrics)
         submitter = Submitter(settings, registry, jobs, quotas, dispatcher, metrics, trace_id=current_trace_id)
         reader = ResultReader(jobs, store, notifier, settings.result_retention_s)

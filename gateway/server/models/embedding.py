@@ -235,6 +235,17 @@ class EmbeddingAdapter(ModelAdapter):
             return sum(self._most_tokens(text) for text in prepared.text)
         return self._most_tokens(prepared.text) if isinstance(prepared, TextInputs) else None
 
+    def reserved_tokens(self, inputs: dict[str, Any]) -> int | None:
+        """What admission reserved for a request of these inputs (its record's, as stored:
+        the texts themselves) where it reserved a bound instead of the count (a model that
+        counts its own tokens): the bound prompt_tokens gave; None where it charged the count."""
+        if self.count_output is None:
+            return None
+        text = inputs.get("text")
+        if isinstance(text, list):
+            return sum(self._most_tokens(one) for one in text if isinstance(one, str))
+        return self._most_tokens(text) if isinstance(text, str) else None
+
     def _most_tokens(self, text: str) -> int:
         most = self._specials + (len(text) if text.isascii() else NON_ASCII_TOKENS_A_BYTE * len(text.encode()))
         return most if self.max_input_tokens is None else min(most, self.max_input_tokens)

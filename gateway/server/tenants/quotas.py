@@ -1,7 +1,9 @@
 """Per-tenant rate limits over Redis with the `limits` library (sliding-window counters):
 requests per minute, counted at admission, and tokens per minute: a request's prompt
 tokens are charged at admission (it is refused if they do not fit the window), its
-completion tokens when they are known (settled at the end). Answers carry OpenAI's
+completion tokens when they are known (settled at the end), and where admission could only
+reserve an upper bound of the prompt (an embedding model that counts its texts' tokens
+itself) what the model's count left of it is given back at the end. Answers carry OpenAI's
 x-ratelimit-* headers; a refusal is Busy (429 with Retry-After).
 
 On one Redis the counters' scripts (the library's own) go through the gateway's group
@@ -163,6 +165,15 @@ class Quotas:
                 stats = await self.limiter.get_window_stats(item, "tpm", config.tenant)
                 if stats.remaining > 0:
                     await self.limiter.hit(item, "tpm", config.tenant, cost=stats.remaining)
+
+    async def unreserve(self, config: TenantConfig, tokens: int) -> None:
+        """Give back the part of admission's reservation a call did not use (it reserved an
+        upper bound of the prompt's tokens and the model counted fewer): a negative hit, as
+        refund's, so the window then holds what was used. (One given back after the window
+        turned lowers the new window: the tenant has those tokens again a little early.)"""
+        if config.effective.tokens_per_minute and tokens > 0:
+            item = RateLimitItemPerMinute(config.effective.tokens_per_minute)
+            await self.limiter.hit(item, "tpm", config.tenant, cost=-tokens)
 
     @staticmethod
     def _refusal(code: str, what: str, reset_time: float, headers: dict[str, str]) -> Busy:
