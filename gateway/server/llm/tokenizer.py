@@ -32,7 +32,7 @@ def token_ids(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = Tru
     interpreter's lock for the whole text and builds character offsets nothing here
     reads; `encode_batch_fast` gives the same ids without them (25-40% less CPU) and lets
     go of the lock, so a long text tokenized in a worker thread leaves the event loop
-    serving (gateway.server.models.base.off_the_loop_if_long)."""
+    serving (gateway.server.models.tokenize_pool.off_the_loop_if_long)."""
     return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
