@@ -30,9 +30,16 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 async def write_while_closed(connection: Any, *, wait_closed: bool) -> BaseException | None:
     """What a PING written on `connection` raises when another task closes the connection
     under it. wait_closed=False: the write starts, then the close removes the writer
-    before the write reaches it. wait_closed=True: the close starts first and waits for
-    the socket to close, and the write comes meanwhile, to a writer that is closing."""
+    before the write reaches it (the gateway's writes go out in the writer's own task, so
+    the write waits where one can: its health check's round trip, made here a turn of the
+    loop). wait_closed=True: the close starts first and waits for the socket to close, and
+    the write comes meanwhile, to a writer that is closing."""
     await connection.connect()
+
+    async def health_check() -> None:
+        await asyncio.sleep(0)  # the close runs meanwhile
+
+    connection.check_health = health_check
     if wait_closed:
         close = asyncio.create_task(connection.disconnect())
         write = asyncio.create_task(connection.send_command("PING"))

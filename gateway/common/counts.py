@@ -125,13 +125,11 @@ def enable(loop: asyncio.AbstractEventLoop) -> None:
 
     from redis.asyncio.connection import AbstractConnection
 
-    send_packed = AbstractConnection.send_packed_command
+    from gateway.common.redis import _ClosedWriteIsConnectionError
 
-    async def counted_send(self: Any, command: Any, check_health: bool = True) -> None:
-        _bump("redis")
-        await send_packed(self, command, check_health)
-
-    AbstractConnection.send_packed_command = counted_send
+    # The gateway's connections write by their own method (without redis-py's), others by redis-py's.
+    for connection in (AbstractConnection, _ClosedWriteIsConnectionError):
+        connection.send_packed_command = _counted_write(connection.send_packed_command)  # type: ignore[method-assign]
 
     from grpc.aio import _channel
 
@@ -148,6 +146,14 @@ def enable(loop: asyncio.AbstractEventLoop) -> None:
     from pydantic import BaseModel
 
     BaseModel.model_dump_json = _counting(BaseModel.model_dump_json, "json")  # type: ignore[method-assign]
+
+
+def _counted_write(send_packed: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    async def counted_send(self: Any, command: Any, check_health: bool = True) -> None:
+        _bump("redis")
+        await send_packed(self, command, check_health)
+
+    return counted_send
 
 
 def _counting(function: Callable[..., Any], name: str) -> Callable[..., Any]:

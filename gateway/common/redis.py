@@ -119,7 +119,7 @@ class _ClosedWriteIsConnectionError(AbstractConnection):
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
-            await super().send_packed_command(command, check_health)
+            await self._send_here(command, check_health)
         except AttributeError as exc:
             if "'NoneType'" not in str(exc):
                 raise
@@ -128,6 +128,49 @@ class _ClosedWriteIsConnectionError(AbstractConnection):
             if "closed" not in str(exc):
                 raise
             raise RedisConnectionError(f"the connection was closed while writing to it ({exc})") from exc
+
+    async def can_read_destructive(self) -> bool:
+        """Whether a connection taken from the pool holds data nobody asked for (a reply a
+        call cut short left; the pool then connects it again) or is closed, looked at
+        without waiting: redis-py's waits a turn of the loop (a timeout of 0) on every
+        checkout. What the socket has, the transport has read into the stream by then."""
+        stream, parser = self._reader, self._parser
+        if stream is None or not getattr(parser, "_connected", True):
+            return await super().can_read_destructive()  # (raises as redis-py's does)
+        pending = getattr(parser, "_reader", None)  # hiredis's reader: bytes fed, not taken
+        if pending is not None and pending.has_data():
+            return True
+        return bool(getattr(parser, "_buffer", None) or stream._buffer) or stream.at_eof()
+
+    async def _send_here(self, command: Any, check_health: bool) -> None:
+        """redis-py's send_packed_command, its write bounded by asyncio.timeout in the
+        caller's task: redis-py's wait_for makes a task of every write on Python 3.11."""
+        if not self.is_connected:
+            await self.connect_check_health(check_health=False)
+        if check_health:
+            await self.check_health()
+        try:
+            if isinstance(command, str):
+                command = command.encode()
+            if isinstance(command, bytes):
+                command = [command]
+            if self.socket_timeout:
+                async with asyncio.timeout(self.socket_timeout):
+                    await self._send_packed_command(command)
+            else:
+                self._writer.writelines(command)
+                await self._writer.drain()
+        except TimeoutError:  # (before OSError, of which it is one)
+            await self.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            await self.disconnect(nowait=True)
+            number, message = ("UNKNOWN", exc.args[0]) if len(exc.args) == 1 else (exc.args[0], exc.args[1])
+            raise RedisConnectionError(f"Error {number} while writing to socket. {message}.") from exc
+        except BaseException:
+            # A write cut short (cancelled) cannot be sent again: the connection goes, as redis-py's.
+            await self.disconnect(nowait=True)
+            raise
 
 
 @functools.cache
@@ -279,15 +322,18 @@ class GroupCommit:
     (WAIT counts the writes of its connection, so one covers them all); the others are not
     held up by it. One Redis only (a cluster's calls go to their own nodes).
 
-    The first call of a turn yields once (no timer) for the rest of the turn's calls; alone
-    then, it is sent from its caller's task; with others, a sender task sends them all, so
-    that a caller that stops waiting cannot take the others' calls down with it."""
+    A call made while nothing is pending (no pipeline in flight, none gathering) is sent at
+    once from its caller's own task: no task, no timer, no yield. Calls made while one is in
+    flight gather for a sender task, which sends them all in the next turn (so a caller
+    that stops waiting cannot take the others' calls down with it): the first call of a
+    turn may go alone, the rest of that turn's go together."""
 
     def __init__(self, client: Redis, *, wait_replicas: int = 0, wait_timeout_ms: int = 250) -> None:
         self.client = client
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self._ready: dict[bool, list[_Call]] = {False: [], True: []}
+        self._in_flight: dict[bool, int] = {False: 0, True: 0}  # pipelines sent, not yet answered
         self._sending: set[asyncio.Task[None]] = set()
 
     async def call(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, wait: bool = False) -> Any:
@@ -297,37 +343,28 @@ class GroupCommit:
             return await self.call(script, keys, args), None
         call = _Call(script, list(keys), list(args), asyncio.get_running_loop().create_future())
         ready = self._ready[wait]
-        ready.append(call)
-        if len(ready) > 1:
-            return await call.answer  # the first caller of this turn sends it
-        try:
-            await asyncio.sleep(0)  # the calls made in the rest of this turn join it
-        except asyncio.CancelledError:
-            call.answer.cancel()  # not sent: nobody would learn its outcome
-            if len(self._ready[wait]) > 1:
-                self._flush(wait)
-            else:
-                self._ready[wait] = []
-            raise
-        if len(self._ready[wait]) == 1:
-            # Alone: sent from the caller's own task, no sender task made (a call made while
-            # it is in flight starts its own turn's pipeline).
-            self._ready[wait] = []
+        if not ready and not self._in_flight[wait]:
+            # Nothing pending: sent from the caller's own task at once (the calls made while
+            # it is in flight gather for a sender).
             await self._send([call], wait)
             return call.answer.result()
-        self._flush(wait)  # several: one sender for them all, whichever caller stops waiting
-        return await call.answer
+        ready.append(call)
+        if len(ready) == 1:  # the first to gather: a sender, whose first step is the next turn
+            task = asyncio.get_running_loop().create_task(self._flush(wait))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+        return await call.answer  # (cancelled, its caller stopped waiting: not sent)
 
-    def _flush(self, wait: bool) -> None:
+    async def _flush(self, wait: bool) -> None:
         # A call whose caller stopped waiting before it was sent is not sent: nobody would
         # learn its outcome (a submission the client gave up on is not made).
         live = [call for call in self._ready[wait] if not call.answer.done()]
         calls, self._ready[wait] = _merged(live), []
-        task = asyncio.get_running_loop().create_task(self._send(calls, wait))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        if calls:
+            await self._send(calls, wait)
 
     async def _send(self, calls: list[_Call], wait: bool) -> None:
+        self._in_flight[wait] += 1
         try:
             for attempt in range(2):
                 async with self.client.pipeline(transaction=False) as pipe:
@@ -354,6 +391,8 @@ class GroupCommit:
                 _answer(call, exc)
             if not isinstance(exc, Exception):
                 raise
+        finally:
+            self._in_flight[wait] -= 1
 
 
 def _answer(call: _Call, reply: Any) -> None:

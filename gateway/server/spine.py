@@ -32,11 +32,22 @@ The spine imports nothing above it: what it needs of its drivers (a process that
 runs, the replica call, the waiters) it is handed, as the protocols below describe them.
 Each stage is a span of the request's trace (gateway.common.tracing).
 
-What still crosses tasks for a request started here (issue 61; counted by REQUEST_COUNTS,
-gateway.common.counts): `carry` runs in the dispatcher's task made by `adopt`, and a
-`Prefer: wait` answer waits for it on the notifier's future that `deliver` sets
-(results/reader.py wait_json); grpc.aio makes a task a call; redis-py a `wait_for` task a
-write. The group commit and the shared Triton call no longer do for a lone call."""
+One request, one task (issue 61; counted by REQUEST_COUNTS, gateway.common.counts): a
+`Prefer: wait` POST /infer that SUBMIT starts in this process is carried through 3 to 5
+by the task that accepted it (accept's carry_here, the dispatcher's `hold`; its answer
+is the record FINISH wrote: api/submit.py Carried), no task, future or read between.
+What still crosses tasks, and why:
+- grpc.aio makes a task of every call (UnaryUnaryCall._invoke), inside grpc;
+- the dispatcher's tasks (`adopt`) carry the requests TAKEn from the queue, and those
+  started at once for a call that does not wait for them (no wait, SSE, /v1, a batch);
+  the notifier's futures wake this process's waiters for those, and for other
+  processes' requests (their `done` message);
+- past its wait, a carried call's 202 goes out from a task made then (the run goes on
+  in the call's task);
+- the group commit's sender task, for the script calls made while one is in flight (a
+  call made while nothing is pending goes at once from its caller's task; a Redis write
+  is bounded in the writer's task and a connection taken from the pool is checked
+  without a turn of the loop: common/redis.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +55,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -89,6 +100,7 @@ class StartsRuns(Protocol):
     def can_start_now(self, model: str, tenant: str) -> tuple[str, bool]: ...
     def end_start_now(self, model: str) -> None: ...
     def adopt(self, job: Job, prepared: Any = None) -> None: ...
+    def hold(self, job: Job, prepared: Any = None) -> Callable[[], Awaitable[str | None]] | None: ...
     def notice(self, shard: Shard, model: str) -> None: ...
 
 
@@ -112,10 +124,15 @@ class Submitter:
         idempotency_key: str | None = None,
         batch: bool = False,
         extra_payload: dict[str, Any] | None = None,
+        carry_here: bool = False,
     ) -> Submission:
-        """Validate and queue one request; its id (or, by idempotency key, the earlier one's)."""
+        """Validate and queue one request; its id (or, by idempotency key, the earlier one's).
+        carry_here: the caller carries a request started at once in its own task
+        (Submission.carry), which it then must await."""
         keys = [idempotency_key] if idempotency_key else None
-        return await accept(self, who, [body], idempotency_keys=keys, batch=batch, extra_payload=extra_payload)
+        return await accept(
+            self, who, [body], idempotency_keys=keys, batch=batch, extra_payload=extra_payload, carry_here=carry_here
+        )
 
     async def submit_many(self, who: Caller, bodies: list[InferRequest], **options: Any) -> Submission:
         """Validate and queue requests of one model, all or none (accept's options)."""
@@ -132,12 +149,15 @@ async def accept(
     batch: bool = False,
     extra_payload: dict[str, Any] | None = None,
     flex: bool = False,
+    carry_here: bool = False,
 ) -> Submission:
     """Validate and queue requests of one model, all or none (flex: in the batch band).
     Several requests of one call (the inputs of /v1/embeddings, the n choices of a chat
     completion, a batch's lines) are admitted together and count as one call against the
     tenant's requests per minute; batch lines are paced by the batch window and backlog
-    instead. Refusals are domain errors (gateway.server.errors)."""
+    instead. Refusals are domain errors (gateway.server.errors). carry_here: a request
+    started at once is carried (run, finish, deliver) by the caller's task, which awaits
+    Submission.carry, not by a task of the dispatcher's."""
     model = bodies[0].model
     if any(body.model != model for body in bodies):
         raise ValueError("one submission is for one model")
@@ -230,13 +250,22 @@ async def accept(
     tracing.annotate("gateway.request_id", ids[0])
     bind_request_ids(trace_id=trace_id, request_id=ids[0])  # for the call's access line
     parts.metrics.count_accepted(model, len(ids))
+    held = None
     if submitted.outcome == "started":
         job = Job.started_at_once(new[0], model=model, tenant=who.tenant, band=band, run=submitted.run)
-        parts.starts.adopt(job, prepared[0])  # validated once: the run does not do it again
+        # Validated once: the run does not do it again.
+        if carry_here:
+            held = parts.starts.hold(job, prepared[0])
+        else:
+            parts.starts.adopt(job, prepared[0])
     else:
         parts.starts.notice(shard, model)
     return Submission(
-        ids, existing=False, started_here=submitted.outcome == "started", prompt_tokens=list(prompt_tokens)
+        ids,
+        existing=False,
+        started_here=submitted.outcome == "started",
+        prompt_tokens=list(prompt_tokens),
+        carry=held,
     )
 
 
@@ -305,12 +334,17 @@ class Carrier:
         self.jobs.on_ended.append(functools.partial(ended, self))
 
 
-async def carry(parts: Carrier, job: Job, control: Any, prepared: Any, *, on_acquired: Callable[[], None]) -> None:
-    """A started request's life in this process, in the task that holds it: run it (3),
-    finish it (4), deliver its record (5). A run found stale (another run took the request
-    over) stops without finishing: the newer run finishes it. A run that breaks otherwise
-    finishes nothing: its lease runs out, and RECLAIM puts it first in line to run again
-    (a replica's failure is not that: the runner tries another replica within the run)."""
+async def carry(
+    parts: Carrier, job: Job, control: Any, prepared: Any, *, on_acquired: Callable[[], None]
+) -> str | None:
+    """A started request's life in this process, in the task that holds it (the call's
+    that submitted it, for a `Prefer: wait` POST /infer started here; else the
+    dispatcher's): run it (3), finish it (4), deliver its record (5); the record's JSON,
+    or None when this run did not finish it. A run found stale (another run took the
+    request over) stops without finishing: the newer run finishes it. A run that breaks
+    otherwise finishes nothing: its lease runs out, and RECLAIM puts it first in line to
+    run again (a replica's failure is not that: the runner tries another replica within
+    the run)."""
     request_id = job.request_id
     # This task's log context is a copy of its spawner's (maybe another request's run).
     bind_request_ids(trace_id=job.payload.get("trace_id"), request_id=request_id)
@@ -324,12 +358,14 @@ async def carry(parts: Carrier, job: Job, control: Any, prepared: Any, *, on_acq
             data = await finish(parts.jobs, job, record, control.emitter, output_event=output_event(parts, job, record))
             if data is not None:
                 deliver(parts, record, data)
+            return data
         except StaleRun:
             log.warning(
                 "request %s: attempt %d found itself stale; the newer run finishes it", request_id, job.attempts
             )
         except Exception:
             log.exception("request %s: unexpected error; it is run again when its lease runs out", request_id)
+        return None
 
 
 # -- 3. run -------------------------------------------------------------------------------
@@ -456,7 +492,8 @@ def deliver(parts: Carrier, record: ResultRecord, data: str) -> None:
     (long polls, SSE, /v1 calls; other processes' wake on FINISH's `done` message and read
     it; the binders store it from the results stream)."""
     parts.notifier.deliver(record.request_id, data)
-    log.info(
+    # DEBUG: a request's INFO line is the edge's access line (issue 61: one a request).
+    log.debug(
         "request %s: %s on %s, %.0f ms after submission",
         record.request_id,
         record.status.value,

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,10 @@ class Submission:
     # Each request's prompt tokens as the accept stage counted them (None: not counted here,
     # as for a replay, whose requests were counted by the call that made them).
     prompt_tokens: list[int | None] | None = None
+    # A request started here for the call to carry in its own task (accept's carry_here):
+    # awaited, it runs, finishes and delivers it, giving its record's JSON (None: not this
+    # run's to finish). Whoever gets it must await it: the request is held for it.
+    carry: Callable[[], Awaitable[str | None]] | None = None
 
     @property
     def request_id(self) -> str:

@@ -377,9 +377,7 @@ async def create_message(body: MessagesRequest, request: Request, who: Annotated
     if body.stream:
         stream = MessageStream(request_id, body.model, plan, tpb, context_length)
         counted = submission.prompt_tokens[0] if submission.prompt_tokens else None
-        return EventStream(
-            stream.events(svc, who.tenant, who.scope, counted), ping=svc.settings.sse_ping_s, headers=headers
-        )
+        return EventStream(stream.events(svc, who.scope, counted), ping=svc.settings.sse_ping_s, headers=headers)
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
     record = await common.wait_record(svc, who, request_id, timeout)
     common.raise_for_record(record)
@@ -524,11 +522,10 @@ class MessageStream:
         return events
 
     async def events(
-        self, svc: Services, tenant: str, scope: str | None, counted: int | None = None
+        self, svc: Services, scope: str | None, counted: int | None = None
     ) -> AsyncIterator[ServerSentEvent]:
-        """The stream, followed for `tenant` (the caller's); `counted`: the prompt's tokens
-        as this call's accept stage counted them (else they are read back: an idempotent
-        replay's)."""
+        """The stream; `counted`: the prompt's tokens as this call's accept stage counted them
+        (else they are read back: an idempotent replay's)."""
         usage = {
             "input_tokens": counted if counted is not None else await prompt_tokens(svc, self.request_id, scope),
             "cache_creation_input_tokens": 0,
@@ -547,7 +544,7 @@ class MessageStream:
         }
         yield _event("message_start", {"message": start})
         yield _event("ping", {})
-        async for _, event in common.follow_all(svc, [self.request_id], tenant):
+        async for _, event in common.follow_all(svc, [self.request_id]):
             if event.kind == "token":
                 for item in self.on_token(common.token_text(event)):
                     yield item

@@ -36,7 +36,7 @@ from gateway.common import counts
 from gateway.protocol.http import Accepted, InferRequest
 from gateway.server.api.errors import NESTED_TOO_DEEP, ApiError, BodyRefused, ErrorRenderer
 from gateway.server.api.results import result_response
-from gateway.server.api.submit import infer_response
+from gateway.server.api.submit import Carried, infer_response
 from gateway.server.api.tenancy import identify
 from gateway.server.services import Services
 
@@ -205,7 +205,7 @@ class HotRoutes:
         scope["state"]["caller"] = who  # the edge adds the headers its calls leave (x-ratelimit-*)
         return who
 
-    async def _infer(self, route: HotRoute, scope: Scope, receive: Receive) -> Response:
+    async def _infer(self, route: HotRoute, scope: Scope, receive: Receive) -> Response | Carried:
         svc = self.services()
         who = await self._caller(svc, scope)  # before a byte of the body is read
         raw = await _body(receive)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +58,10 @@ class Running:
     job: Job
     prepared: Any = None  # the validated inputs, when this process validated them at submission
     control: RunControl | None = None
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[Any] | None = None  # (the call's own, for a run it carries: hold)
     acquired: bool = False
     stale: bool = False  # another run took over: it stops without finishing
+    handed: bool = False  # shutting down: stopped, and handed on to another process
 
 
 @dataclass
@@ -124,9 +125,10 @@ class Dispatcher:
             await asyncio.wait(tasks, timeout=drain)
         left = [(request_id, r.job.run) for request_id, r in self.running.items() if r.task and not r.task.done()]
         for request_id, _ in left:
-            left_task = self.running[request_id].task
-            if left_task is not None:
-                left_task.cancel()
+            held = self.running[request_id]
+            held.handed = True
+            if held.task is not None:
+                held.task.cancel()
         await asyncio.gather(*(t for t in tasks if not t.done()), return_exceptions=True)
         await self.leases.stop()
         if left:
@@ -154,17 +156,39 @@ class Dispatcher:
         self._promised[model] -= 1
 
     def adopt(self, job: Job, prepared: Any = None) -> None:
-        """Hold a request started for this process (by SUBMIT at once, attempt 1, or by
-        TAKE): a slot, a task that carries it to its end (spine.carry), its lease renewed;
-        prepared: its inputs as validated at submission (not validated again)."""
+        """Hold a request started for this process (by TAKE, or by SUBMIT at once for a
+        call that does not carry it itself): a slot, a task that carries it to its end
+        (spine.carry), its lease renewed; prepared: its inputs as validated at submission
+        (not validated again)."""
+        running = self._held(job, prepared)
+        if running is not None:
+            running.task = asyncio.create_task(self._hold(running), name=f"request-{job.request_id}")
+
+    def hold(self, job: Job, prepared: Any = None) -> Callable[[], Awaitable[str | None]] | None:
+        """Hold a request SUBMIT started at once for the call that submitted it, which
+        carries it in its own task (no task made here): a slot and its lease renewed, as
+        adopt's. What to await to carry it: its record's JSON as FINISH wrote it, or None
+        (it was no longer this run's to finish, or this process hands it on). None: held
+        already (the caller has nothing to carry)."""
+        running = self._held(job, prepared)
+        if running is None:
+            return None
+
+        async def carried() -> str | None:
+            running.task = asyncio.current_task()  # what the lease keeper and shutdown stop
+            return await self._hold(running)
+
+        return carried
+
+    def _held(self, job: Job, prepared: Any) -> Running | None:
         if job.request_id in self.running:
-            return
+            return None
         self.headroom.touch(job.model, job.tenant)
         running = Running(job=job, prepared=prepared)
         self.running[job.request_id] = running
         self.leases.add(job.request_id, job.run)  # renewed from now on, however busy this loop is
         self._acquiring[job.model] = self._acquiring.get(job.model, 0) + 1
-        running.task = asyncio.create_task(self._hold(running), name=f"request-{job.request_id}")
+        return running
 
     def wake(self) -> None:
         """Look at every shard now (a replica came back: what waited can start)."""
@@ -207,7 +231,8 @@ class Dispatcher:
                 continue
             timeout = max(0.0, last_poll + POLL_S - time.monotonic())
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                async with asyncio.timeout(timeout):  # in this task (wait_for would make one)
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
@@ -321,19 +346,30 @@ class Dispatcher:
 
     # -- holding one request -----------------------------------------------------------
 
-    async def _hold(self, running: Running) -> None:
-        """The task of a request this process holds: its run's control (which the lease
-        keeper, cancels and shutdown stop), spine.carry, then its slot and lease let go."""
+    async def _hold(self, running: Running) -> str | None:
+        """A request this process holds, in its task (this dispatcher's, or the call's that
+        submitted it: hold): its run's control (which the lease keeper, cancels and
+        shutdown stop), spine.carry, then its slot and lease let go. The record's JSON, if
+        this run finished it."""
         job = running.job
         try:
             if running.stale:
-                return
+                return None
             control = running.control = RunControl(request_id=job.request_id, attempt=job.attempts, token=job.run)
             control.cancel_requested = job.cancel_requested
-            await spine.carry(self.carrier, job, control, running.prepared, on_acquired=lambda: self._acquired(running))
+            return await spine.carry(
+                self.carrier, job, control, running.prepared, on_acquired=lambda: self._acquired(running)
+            )
         except asyncio.CancelledError:
-            if not running.stale:
-                raise  # shutting down: the request is handed on
+            if not (running.stale or running.handed):
+                raise
+            # Stopped by us (another run took over; shutting down: it is handed on): the
+            # task goes on (a call's task answers its caller), not counted as cancelled.
+            # (Its run's abort may have cancelled it as well: every such request is undone.)
+            task = asyncio.current_task()
+            while task is not None and task.cancelling():
+                task.uncancel()
+            return None
         finally:
             if running.control is not None:
                 running.control.release()

@@ -252,13 +252,12 @@ def raise_for_record(record: ResultRecord) -> None:
     raise after_acceptance(502, error.code if error else "inference_failed", message)
 
 
-async def follow(svc: Services, request_id: str, tenant: str) -> AsyncIterator[StreamEvent]:
-    """The request's events from its start, held against the share of `tenant` (the
-    caller's); cancels the request if the caller goes away before it ends (a
-    non-background stream)."""
+async def follow(svc: Services, request_id: str) -> AsyncIterator[StreamEvent]:
+    """The request's events from its start; cancels the request if the caller goes away
+    before it ends (a non-background stream)."""
     ended = False
     try:
-        async for event in svc.events.follow(request_id, "0-0", tenant=tenant):
+        async for event in svc.events.follow(request_id, "0-0"):
             if event.terminal:
                 ended = True
             yield event
@@ -267,18 +266,18 @@ async def follow(svc: Services, request_id: str, tenant: str) -> AsyncIterator[S
             await asyncio.shield(spine.cancel(svc.jobs, request_id))
 
 
-async def follow_all(svc: Services, request_ids: list[str], tenant: str) -> AsyncIterator[tuple[int, StreamEvent]]:
+async def follow_all(svc: Services, request_ids: list[str]) -> AsyncIterator[tuple[int, StreamEvent]]:
     """The events of several requests as they come, each with its request's index; every
     request still running is cancelled if the caller goes away."""
     if len(request_ids) == 1:
-        async for event in follow(svc, request_ids[0], tenant):
+        async for event in follow(svc, request_ids[0]):
             yield 0, event
         return
     queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
 
     async def pump(index: int, request_id: str) -> None:
         try:
-            async for event in follow(svc, request_id, tenant):
+            async for event in follow(svc, request_id):
                 await queue.put((index, event))
         finally:
             await queue.put((index, None))

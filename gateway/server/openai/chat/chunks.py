@@ -153,12 +153,12 @@ class ChunkStream:
         events.append(self._event(choice))
         return events
 
-    async def events(self, svc: Services, tenant: str) -> AsyncIterator[ServerSentEvent | bytes]:
+    async def events(self, svc: Services) -> AsyncIterator[ServerSentEvent | bytes]:
         if self.chat:
             for index in range(len(self.request_ids)):
                 yield self._delta(index, {"role": "assistant", "content": ""})
         records: list[ResultRecord] = []
-        async for index, event in common.follow_all(svc, self.request_ids, tenant):
+        async for index, event in common.follow_all(svc, self.request_ids):
             if event.kind == "token":
                 for chunk in self.on_token(index, self.request_ids[index], common.token_text(event)):
                     yield chunk

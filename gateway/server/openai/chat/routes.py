@@ -48,7 +48,7 @@ async def _answer(
     tpb = common.tokens_per_block(svc, body.model)
     if body.stream:
         stream = ChunkStream(request_ids, body, tpb, common.tool_format(svc, body.model))
-        return EventStream(stream.events(svc, who.tenant), ping=svc.settings.sse_ping_s, headers=headers)
+        return EventStream(stream.events(svc), ping=svc.settings.sse_ping_s, headers=headers)
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
     records = await common.wait_records(svc, who, request_ids, timeout)
     for record in records:

@@ -30,6 +30,7 @@ from gateway.server.openai.responses.items import (
 )
 from gateway.server.openai.responses.objects import response_object
 from gateway.server.openai.responses.settings import (
+    ResponseSettings,
     invalid,
     request_id_of,
 )
@@ -37,13 +38,24 @@ from gateway.server.openai.responses.store import ConversationStore, ResponseSto
 from gateway.server.openai.schemas import (
     ResponseRequest,
 )
-from gateway.server.services import services
+from gateway.server.services import Services, services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 
-async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[ServerSentEvent]:
-    """A response's events (response_events) as Server-Sent Events."""
+async def _stream(
+    svc: Services,
+    request_id: str,
+    model: str,
+    settings: ResponseSettings,
+    after: int,
+    *,
+    cancel_on_disconnect: bool,
+    obfuscate: bool = True,
+) -> AsyncIterator[ServerSentEvent]:
+    events = response_events(
+        svc, request_id, model, settings, after, cancel_on_disconnect=cancel_on_disconnect, obfuscate=obfuscate
+    )
     async for payload in events:
         yield ServerSentEvent(data=json.dumps(payload, ensure_ascii=False), event=payload["type"])
 
@@ -66,17 +78,10 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
     if body.stream:
         obfuscate = body.stream_options is None or body.stream_options.include_obfuscation
         # A background stream survives a disconnect (resume it with starting_after).
-        events = response_events(
-            svc,
-            request_id,
-            body.model,
-            settings,
-            -1,
-            tenant=who.tenant,
-            cancel_on_disconnect=not body.background,
-            obfuscate=obfuscate,
+        stream = _stream(
+            svc, request_id, body.model, settings, -1, cancel_on_disconnect=not body.background, obfuscate=obfuscate
         )
-        return EventStream(_sse(events), ping=svc.settings.sse_ping_s, headers=headers)
+        return EventStream(stream, ping=svc.settings.sse_ping_s, headers=headers)
     if body.background:
         outcome = await svc.results.get(request_id, who.scope)
         # Accepted just now: queued (unless an Idempotency-Key named one that has ended).
@@ -106,8 +111,10 @@ async def get_response(
     if job is None:
         raise ApiError(410, "stream_expired", f"the events of {response} are no longer kept; GET it without stream")
     after = -1 if starting_after is None else starting_after
-    events = response_events(svc, request_id, model, settings, after, tenant=who.tenant, cancel_on_disconnect=False)
-    return EventStream(_sse(events), ping=svc.settings.sse_ping_s)
+    return EventStream(
+        _stream(svc, request_id, model, settings, after, cancel_on_disconnect=False),
+        ping=svc.settings.sse_ping_s,
+    )
 
 
 @router.get("/responses/{response}/input_items", summary="List the items a response was given")

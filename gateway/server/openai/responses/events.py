@@ -85,22 +85,16 @@ async def response_events(
     settings: ResponseSettings,
     after: int,
     *,
-    tenant: str,
     cancel_on_disconnect: bool,
     obfuscate: bool = True,
 ) -> AsyncIterator[dict[str, Any]]:
     """A response's events (as JSON objects) after sequence number `after`, read from its
-    request's own events (in Redis), held against the share of `tenant` (the caller's):
-    the same for SSE and for a WebSocket."""
+    request's own events (in Redis): the same for SSE and for a WebSocket."""
     tpb = common.tokens_per_block(svc, model)
     # (The time in the request's id: the same in a resumed stream as in the first.)
     created = int(request_id_time(request_id) or time.time())
     numbering = ResponseEvents(request_id, model, created, settings, tpb, common.tool_format(svc, model), obfuscate)
-    events = (
-        common.follow(svc, request_id, tenant)
-        if cancel_on_disconnect
-        else svc.events.follow(request_id, "0-0", tenant=tenant)
-    )
+    events = common.follow(svc, request_id) if cancel_on_disconnect else svc.events.follow(request_id, "0-0")
     async for event in events:
         for sequence, payload in numbering.of(event):
             if sequence > after:

@@ -218,14 +218,7 @@ class _Socket:
         final: dict[str, Any] | None = None
         try:
             events = response_events(
-                self.svc,
-                request_id,
-                model,
-                settings,
-                after,
-                tenant=self.who.tenant,
-                cancel_on_disconnect=False,
-                obfuscate=obfuscate,
+                self.svc, request_id, model, settings, after, cancel_on_disconnect=False, obfuscate=obfuscate
             )
             async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
                 async for payload in stream:
