@@ -8,9 +8,10 @@ One Redis (REDIS_URL) or a Redis Cluster (REDIS_CLUSTER_NODES), behind one inter
 - `replicated(script, keys, args)`: a script, then WAIT on the same connection (WAIT
   counts the replicas that have the writes of *its own* connection), on the node that
   holds the keys: how a write is made durable across a failover (REDIS_WAIT_REPLICAS);
-- `group`: on one Redis, the script calls made in one turn of the event loop go to Redis
-  as one pipeline, the calls of a script made for many items (SUBMIT, FINISH) merged into
-  one (GroupCommit; REDIS_GROUP_COMMIT), each caller with its own reply;
+- `group`: on one Redis, the script calls made while one is in flight go to Redis as one
+  pipeline (a call made while nothing is pending goes at once), the calls of a script
+  made for many items (SUBMIT, FINISH) merged into one (GroupCommit; REDIS_GROUP_COMMIT),
+  each caller with its own reply;
 - `subscription()`: a connection for SUBSCRIBE (in a cluster, to any node: a PUBLISH,
   from a script too, reaches every node);
 - `reader(shard)`: one connection to the node holding a shard, for blocking reads
@@ -313,7 +314,7 @@ def _split(answer: asyncio.Future[Any], members: list[_Call]) -> None:
 
 
 class GroupCommit:
-    """Script calls made in one turn of the event loop go to Redis as one pipeline: a
+    """Script calls made while one is in flight go to Redis as one pipeline: a
     round trip costs the client tens of µs of CPU whatever it carries (an EVALSHA ~95 µs
     alone, ~15 µs in a pipeline of 32: docs/benchmarks.md), so calls that are ready
     together pay it once; calls of a script made for many items (SUBMIT, FINISH) that are ready
