@@ -1,6 +1,7 @@
 """The layout the code promises (docs/architecture.md), checked on its source: the spine
 is the only caller of the script layer's writes, no import circle in gateway/, no room below the
-HTTP layers imports them, and every key a Lua script knows before it runs arrives in KEYS."""
+HTTP layers imports them, no API door imports another (nor their core a door), and every key a
+Lua script knows before it runs arrives in KEYS."""
 
 from __future__ import annotations
 
@@ -155,6 +156,40 @@ def test_a_room_below_the_http_layers_does_not_import_them(room: str) -> None:
         if name.startswith(f"gateway.server.{room}")
         for target in _imports(name, path, modules)
         if target.startswith(("gateway.server.api", "gateway.server.openai"))
+    ]
+    assert upward == []
+
+
+# The API doors: each maps its API's shapes onto the core (gateway.server.calls), and none
+# imports another (a third API would otherwise import /v1 again).
+DOORS = ("gateway.server.openai", "gateway.server.anthropic")
+
+
+def _door_of(name: str) -> str | None:
+    return next((door for door in DOORS if name == door or name.startswith(f"{door}.")), None)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_door_imports_no_other_door(door: str) -> None:
+    modules = _modules()
+    across = [
+        f"{name} -> {target}"
+        for name, path in modules.items()
+        if _door_of(name) == door
+        for target in _imports(name, path, modules)
+        if _door_of(target) not in (None, door)
+    ]
+    assert across == []
+
+
+def test_the_core_of_the_doors_imports_no_door() -> None:
+    modules = _modules()
+    upward = [
+        f"{name} -> {target}"
+        for name, path in modules.items()
+        if name.startswith("gateway.server.calls")
+        for target in _imports(name, path, modules)
+        if _door_of(target) is not None
     ]
     assert upward == []
 

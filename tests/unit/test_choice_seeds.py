@@ -1,9 +1,9 @@
-"""The seeds of n choices (gateway/server/openai/chat/requests.py's `seeds`), pure logic: the call's
+"""The seeds of n choices (gateway/server/calls/requests.py's `seeds`), pure logic: the call's
 seed + i, so n choices are n distinct draws and the same call repeats them."""
 
 from __future__ import annotations
 
-from gateway.server.openai.chat import seeds
+from gateway.server.calls.requests import seeds
 
 
 def test_each_choice_gets_the_calls_seed_plus_its_index() -> None:

@@ -1,9 +1,10 @@
 """POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API.
 
-A call is mapped onto the chat path (gateway.server.openai.chat) and becomes one ordinary
-durable request there: its id (`msg_<request id>`, and the `request-id` header), its
-Idempotency-Key, quotas, tenant and resumption are those of every request; `api` in its
-record's metadata says `messages`.
+A call is mapped onto the core every LLM door shares (gateway.server.calls: its messages,
+tools, sampling and stops in the gateway's terms) and becomes one ordinary durable request:
+its id (`msg_<request id>`, and the `request-id` header), its Idempotency-Key, quotas,
+tenant and resumption are those of every request; `api` in its record's metadata says
+`messages`.
 
 - system, and messages of text, tool_use and tool_result blocks, become chat messages
   (a tool_result one `tool` message, before the user's text; one marked is_error is
@@ -12,7 +13,7 @@ record's metadata says `messages`.
 - tools are offered as functions (input_schema their parameters); tool_choice auto,
   any (a call forced by guided decoding), tool (that one, forced), none;
   disable_parallel_tool_use keeps the first call.
-- stop_sequences are the chat path's stop words (the one that stopped the text is
+- stop_sequences are the call's stop words (the one that stopped the text is
   `stop_sequence`); temperature, top_p and top_k its sampling (temperature 0 is greedy);
   metadata.user_id its `user`.
 - Streamed, Anthropic's events: message_start, ping, content_block_start/delta/stop
@@ -56,11 +57,13 @@ from gateway.server.anthropic.schemas import ContentBlock, CountTokensRequest, M
 from gateway.server.api.errors import ApiError, validation_message
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
+from gateway.server.calls import requests as call_requests
+from gateway.server.calls import run, terms
+from gateway.server.calls.requests import LlmCall
+from gateway.server.calls.terms import ChatPlan, refuse_unsupported, unsupported
 from gateway.server.llm import tools as toolcalls
-from gateway.server.models import InvalidInput
+from gateway.server.models import InvalidInput, ModelAdapter
 from gateway.server.models.tokenize_pool import off_the_loop_if_long
-from gateway.server.openai import chat, common
-from gateway.server.openai.schemas import ChatCompletionRequest, refuse_unsupported, unsupported
 from gateway.server.services import Services, services
 
 # anthropic-version: a date, 2023-06-01 (the Messages API's first) or later. Later versions
@@ -199,7 +202,7 @@ _CLEARS_THINKING = "clear_thinking_"
 
 def ignored(body: CountTokensRequest) -> list[str]:
     """The optional asks of a call that are accepted and not applied (the README's table),
-    as the Warning header names them; what is refused is checked by chat_body."""
+    as the Warning header names them; what is refused is checked by call_of."""
     found = []
     if body.thinking is not None and body.thinking.type != "disabled":
         found.append("thinking")
@@ -223,9 +226,9 @@ def warning(names: list[str]) -> dict[str, str]:
     return {"warning": f'299 - "accepted and not applied: {", ".join(names)} (these models do not reason)"'}
 
 
-def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat completion an Anthropic call is."""
-    data: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}  # (blocks by their type first)
+def call_of(body: CountTokensRequest, svc: Services, seed_key: str | None = None) -> tuple[LlmCall, ModelAdapter]:
+    """The core's call an Anthropic call is, and the model it names."""
+    found = chat_messages(body)  # (blocks by their type first)
     for index, edit in enumerate(body.context_management.edits or [] if body.context_management else []):
         if not edit.type.startswith(_CLEARS_THINKING):
             raise unsupported(
@@ -233,7 +236,7 @@ def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
                 f"context edits of type {edit.type} are not supported: they would change the prompt the model "
                 "reads (edits that clear thinking are accepted: these models do not reason)",
             )
-    refuse_unsupported(body, API_LABEL)
+    refuse_unsupported(body)
     tools = []
     for index, tool in enumerate(body.tools or []):
         if tool.defer_loading:
@@ -250,38 +253,48 @@ def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
         if tool.description is not None:
             function["description"] = tool.description
         tools.append({"type": "function", "function": function})
-    if tools:
-        data["tools"] = tools
     choice = body.tool_choice
+    mode: str | None = None
+    named: str | None = None
     if choice is not None:
         if choice.type == "tool":
             if choice.name is None:
                 raise _invalid("tool_choice.name", "tool_choice of type tool names the tool")
-            data["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            mode, named = "named", choice.name
         else:
-            data["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-        if choice.disable_parallel_tool_use:
-            data["parallel_tool_calls"] = False
+            mode = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    parallel = not (choice is not None and choice.disable_parallel_tool_use)
+    labels = {"api": API_LABEL}
+    sampling: dict[str, Any] = {}
+    stops: list[str] = []
     if isinstance(body, MessagesRequest):
-        data["max_tokens"] = body.max_tokens
-        data["stream"] = bool(body.stream)
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(body, name) is not None:
-                data[name] = getattr(body, name)
-        if body.stop_sequences:
-            data["stop"] = body.stop_sequences
+        sampling = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
+        stops = list(body.stop_sequences or [])
         if body.metadata is not None and body.metadata.user_id:
-            data["user"] = _user(body.metadata.user_id)
-    else:
-        data["max_tokens"] = 1
-    try:
-        return ChatCompletionRequest.model_validate(data)
-    except ValidationError as exc:  # what Anthropic's body allows and the chat path's does not
+            labels["user"] = _user(body.metadata.user_id)
+    try:  # the messages as a chat body's are read (what Anthropic's body allows and a chat body does not)
+        conversation = terms.Conversation.model_validate({"messages": found})
+    except ValidationError as exc:
         raise ApiError(400, "invalid_request", validation_message(list(exc.errors()))) from None
+    adapter = call_requests.llm(svc, body.model, chat=True)
+    tool_format = call_requests.tool_format(svc, body.model)
+    plan = terms.chat_plan(tools, mode, named, parallel=parallel, tool_format=tool_format)
+    call = LlmCall(
+        model=body.model,
+        messages=terms.messages(conversation.messages),
+        max_tokens=body.max_tokens if isinstance(body, MessagesRequest) else 1,
+        stop_words=stops,
+        plan=plan,
+        sampling=sampling,
+        seeds=call_requests.seeds(None, 1, seed_key),
+        stream=bool(body.stream) if isinstance(body, MessagesRequest) else False,
+        labels=labels,
+    )
+    return call, adapter
 
 
 def _user(user_id: str) -> str:
-    """metadata.user_id as the chat path's `user` (256 characters at most): a longer one
+    """metadata.user_id as the records' `user` (256 characters at most, as a chat body's): a longer one
     (Claude Code's JSON of ids) by its digest, so the same user is still the same."""
     if len(user_id) <= 256:
         return user_id
@@ -293,7 +306,7 @@ def _user(user_id: str) -> str:
 
 def tool_use_id(request_id: str, index: int) -> str:
     """A tool_use block's id: stable for the request (the stream and the record agree)."""
-    return "toolu_" + common.call_id(request_id, index).removeprefix("call_")
+    return "toolu_" + terms.call_id(request_id, index).removeprefix("call_")
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -308,7 +321,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
 def stop_of(record: ResultRecord, called: bool, context_length: int | None = None) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence of a finished request: one cut where the
     prompt and the answer filled the model's context is model_context_window_exceeded."""
-    if common.finish_reason(record) == "length":
+    if run.finish_reason(record) == "length":
         usage = record.usage
         if context_length and usage and usage.prompt_tokens + usage.completion_tokens >= context_length:
             return "model_context_window_exceeded", None
@@ -322,7 +335,7 @@ def stop_of(record: ResultRecord, called: bool, context_length: int | None = Non
 def usage_of(record: ResultRecord, tpb: int) -> dict[str, Any]:
     """Anthropic's usage: input_tokens are those not read from the prefix cache."""
     prompt = record.usage.prompt_tokens if record.usage else 0
-    cached = common.cached_tokens(record, tpb)
+    cached = run.cached_tokens(record, tpb)
     return {
         "input_tokens": prompt - cached,
         "output_tokens": record.usage.completion_tokens if record.usage else 0,
@@ -333,9 +346,9 @@ def usage_of(record: ResultRecord, tpb: int) -> dict[str, Any]:
 
 
 def message_of(
-    record: ResultRecord, model: str, plan: chat.ChatPlan, tpb: int, context_length: int | None = None
+    record: ResultRecord, model: str, plan: ChatPlan, tpb: int, context_length: int | None = None
 ) -> dict[str, Any]:
-    content, calls = chat.read_calls((record.outputs or {}).get("text_output", ""), plan)
+    content, calls = terms.read_calls((record.outputs or {}).get("text_output", ""), plan)
     calls = calls if plan.parallel else calls[:1]
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
     for index, call in enumerate(calls):
@@ -363,24 +376,25 @@ def message_of(
 @router.post("/messages", summary="Create a message (Anthropic)")
 async def create_message(body: MessagesRequest, request: Request, who: Annotated[Caller, Depends(caller)]) -> Any:
     svc = services(request)
-    asked = chat_body(body)
-    natives = chat.chat_request(asked, svc, common.idempotency_key(request))
-    natives = [n.model_copy(update={"metadata": {**n.metadata, "api": API_LABEL}}) for n in natives]
+    call, adapter = call_of(body, svc, run.idempotency_key(request))
+    natives = call_requests.requests(call, adapter, svc)
     if body.stream:  # a stream past the tenant's share of followers: refused before anything is queued
         svc.events.admissible(who.tenant)
-    submission = await common.submit(svc, who, request, natives)
+    submission = await run.submit(svc, who, request, natives)
     request_id = submission.request_id
     headers = {"x-request-id": request_id, "request-id": request_id, **warning(ignored(body))}
-    tpb = common.tokens_per_block(svc, body.model)
-    plan = chat.chat_plan(asked, common.tool_format(svc, body.model))
-    context_length = common.context_length(svc, body.model)
+    tpb = call_requests.tokens_per_block(svc, body.model)
+    plan = call.plan
+    context_length = call_requests.context_length(svc, body.model)
     if body.stream:
         stream = MessageStream(request_id, body.model, plan, tpb, context_length)
         counted = submission.prompt_tokens[0] if submission.prompt_tokens else None
-        return EventStream(stream.events(svc, who.scope, counted), ping=svc.settings.sse_ping_s, headers=headers)
+        return EventStream(
+            stream.events(svc, who.tenant, who.scope, counted), ping=svc.settings.sse_ping_s, headers=headers
+        )
     timeout = natives[0].timeout_s or svc.settings.default_timeout_s
-    record = await common.wait_record(svc, who, request_id, timeout)
-    common.raise_for_record(record)
+    record = await run.wait_record(svc, who, request_id, timeout)
+    run.raise_for_record(record)
     return JSONResponse(message_of(record, body.model, plan, tpb, context_length), headers=headers)
 
 
@@ -392,8 +406,8 @@ async def count_tokens(
     what the call's input_tokens would be before the prefix cache. Nothing runs, but the
     tokenizer does: the call counts as a request against the tenant's requests per minute."""
     svc = services(request)
-    native = chat.chat_request(chat_body(body), svc)[0]
-    adapter = svc.registry.get(body.model)
+    call, adapter = call_of(body, svc)
+    native = call_requests.requests(call, adapter, svc)[0]
     who.headers |= await svc.quotas.admit(who.config, 0)
 
     def count() -> int:
@@ -434,7 +448,7 @@ class MessageStream:
     """Anthropic's events of a streamed message, from its request's events."""
 
     def __init__(
-        self, request_id: str, model: str, plan: chat.ChatPlan, tpb: int, context_length: int | None = None
+        self, request_id: str, model: str, plan: ChatPlan, tpb: int, context_length: int | None = None
     ) -> None:
         self.request_id = request_id
         self.context_length = context_length
@@ -507,7 +521,7 @@ class MessageStream:
         if self.parser is not None:
             events += self._items(self.parser.finish())
         if self.plan.forced:
-            _, calls = chat.read_calls(self.held, self.plan)
+            _, calls = terms.read_calls(self.held, self.plan)
             events += self._items([*calls])
         events += self._stop_text()
         stop_reason, stop_sequence = stop_of(record, self.calls > 0, self.context_length)
@@ -522,10 +536,11 @@ class MessageStream:
         return events
 
     async def events(
-        self, svc: Services, scope: str | None, counted: int | None = None
+        self, svc: Services, tenant: str, scope: str | None, counted: int | None = None
     ) -> AsyncIterator[ServerSentEvent]:
-        """The stream; `counted`: the prompt's tokens as this call's accept stage counted them
-        (else they are read back: an idempotent replay's)."""
+        """The stream, followed for `tenant` (the caller's); `counted`: the prompt's tokens
+        as this call's accept stage counted them (else they are read back: an idempotent
+        replay's)."""
         usage = {
             "input_tokens": counted if counted is not None else await prompt_tokens(svc, self.request_id, scope),
             "cache_creation_input_tokens": 0,
@@ -544,12 +559,12 @@ class MessageStream:
         }
         yield _event("message_start", {"message": start})
         yield _event("ping", {})
-        async for _, event in common.follow_all(svc, [self.request_id]):
+        async for _, event in run.follow_all(svc, [self.request_id], tenant):
             if event.kind == "token":
-                for item in self.on_token(common.token_text(event)):
+                for item in self.on_token(run.token_text(event)):
                     yield item
             elif event.terminal:
-                record = common.record_of(event)
+                record = run.record_of(event)
                 if record.status != State.SUCCEEDED:
                     message = record.error.message if record.error else f"the request was {record.status.value}"
                     code = record.error.code if record.error else record.status.value

@@ -1,7 +1,7 @@
 """Request bodies of Anthropic's Messages API, field by field against its reference (the
 `anthropic` package's MessageCreateParams and MessageCountTokensParams).
 
-As for the OpenAI bodies (gateway.server.openai.schemas), every field is honoured or
+As for every door's bodies (gateway.server.calls.terms), every field is honoured or
 refused by name: unknown fields are kept aside and refused (400) when set to anything but
 a neutral value; known ones are typed strictly. `cache_control` is accepted wherever
 Anthropic takes it and asks for nothing: every prompt's prefix is cached by the engines
@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import Field
 
 from gateway.protocol.storable import StorableDict, StorableList
-from gateway.server.openai.schemas import Body, FunctionName, Stop, Text
+from gateway.server.calls.terms import Body, FunctionName, Stop, Text
 
 # Anthropic's stop_sequences, capped as the engines' stop words are.
 MAX_STOP_SEQUENCES = 16

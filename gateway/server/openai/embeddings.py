@@ -24,9 +24,9 @@ from gateway.protocol.http import InferRequest
 from gateway.protocol.vectors import ITEM_BYTES, is_packed, packed_bytes, packed_shape
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
+from gateway.server.calls import run
 from gateway.server.models import InvalidInput
 from gateway.server.models.embedding import MAX_INPUTS, EmbeddingAdapter
-from gateway.server.openai import common
 from gateway.server.openai.schemas import EmbeddingRequest, refuse_unsupported
 from gateway.server.services import Services, services
 
@@ -114,7 +114,7 @@ def embeddings_response(
     data: list[dict[str, Any]] = []
     tokens = 0
     for record in records:
-        common.raise_for_record(record)
+        run.raise_for_record(record)
         value = (record.outputs or {}).get(adapter.output_name) or []
         for embedding in rendered(value, body.encoding_format):
             data.append({"object": "embedding", "index": len(data), "embedding": embedding})
@@ -136,7 +136,7 @@ def embeddings_answer(records: list[ResultRecord], adapter: EmbeddingAdapter, bo
     parts: list[bytes | memoryview] = [b'{"object":"list","data":[']
     tokens = index = 0
     for record in records:
-        common.raise_for_record(record)
+        run.raise_for_record(record)
         value = (record.outputs or {}).get(adapter.output_name) or []
         for vector in base64_rows(value) if as_base64 else float_rows(value):
             parts += [b'{"object":"embedding","index":%d,"embedding":%b' % (index, quote), vector, quote + b"},"]
@@ -154,8 +154,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, who: Annot
     svc = services(request)
     adapter = embedding_adapter(svc, body)
     natives = embedding_requests(body, svc)
-    ids = await common.start(svc, who, request, natives)
-    records = await common.wait_records(svc, who, ids, svc.settings.default_timeout_s)
+    ids = await run.start(svc, who, request, natives)
+    records = await run.wait_records(svc, who, ids, svc.settings.default_timeout_s)
     answer = embeddings_answer(records, adapter, body)
     return Response(answer, media_type="application/json", headers={"x-request-id": ",".join(ids)})
 

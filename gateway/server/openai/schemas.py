@@ -16,33 +16,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
+from pydantic import BaseModel, Discriminator, Field, StringConstraints, Tag
 
 from gateway.protocol.storable import StorableDict, StorableList
 from gateway.server.api.errors import ApiError
-from gateway.server.models.inputs import MAX_TEXT_CHARS
+from gateway.server.calls import terms
+from gateway.server.calls.terms import (
+    MAX_STOP,
+    Body,
+    FunctionName,
+    Message,
+    Stop,
+    Text,
+)
 
-Text = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
-Stop = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
-FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
-# Stop sequences a call may give (OpenAI allows 4 on chat; the engines take 16 words).
-MAX_STOP = 16
 ServiceTier = Literal["auto", "default", "flex", "priority", "scale", "fast"]
 
 # Why a field OpenAI has is refused (by endpoint; "*" for all).
 _NO_AUDIO = "audio is not supported: these models produce text"
 UNSUPPORTED: dict[str, dict[str, str]] = {
-    "*": {
-        "logit_bias": "logit_bias is not supported",
-        "moderation": "moderation is not supported: this gateway runs no moderation model",
-        "prompt_cache_retention": "prompt_cache_retention other than in_memory is not supported: the engines' "
-        "prefix caches live in memory",
-        "reasoning_effort": "reasoning_effort is not supported: these are not reasoning models",
-        "verbosity": "verbosity is not supported",
-    },
+    "*": terms.UNSUPPORTED,
     "chat": {
         "audio": _NO_AUDIO,
         "modalities": "modalities other than [text] are not supported: these models produce text",
@@ -72,81 +68,19 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 }
 # Values of refused fields that ask for nothing (what the gateway does anyway).
 _NEUTRAL: dict[str, dict[str, tuple[Any, ...]]] = {
-    "*": {"prompt_cache_retention": ("in_memory", "in-memory")},
+    "*": terms.NEUTRAL,
     "chat": {"modalities": (["text"],), "store": (False,)},
     "responses": {"truncation": ("disabled",)},
 }
 
 
-class Body(BaseModel):
-    """An OpenAI request object: known fields typed strictly, unknown ones kept for
-    refuse_unsupported."""
-
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
-
-
-def _neutral(value: Any) -> bool:
-    return value is None or value is False or value == [] or value == {}
-
-
-def refuse_unsupported(body: BaseModel, endpoint: str, path: str = "") -> None:
-    """400 unsupported_parameter for the first field set beyond what is honoured."""
-    reasons = {**UNSUPPORTED["*"], **UNSUPPORTED.get(endpoint, {})}
-    neutral = {**_NEUTRAL["*"], **_NEUTRAL.get(endpoint, {})}
-    for name, value in (body.model_extra or {}).items():
-        allowed = neutral.get(name) if not path else None
-        if value is None or (value in allowed if allowed is not None else _neutral(value)):
-            continue
-        param = f"{path}{name}"
-        reason = reasons.get(name) if not path else None
-        message = reason or f"{param} is not a parameter of this endpoint"
-        raise ApiError(400, "unsupported_parameter", message, details={"param": param})
-    for name in type(body).model_fields:
-        value = getattr(body, name)
-        if isinstance(value, BaseModel):
-            refuse_unsupported(value, endpoint, f"{path}{name}.")
-        elif isinstance(value, list):
-            for index, item in enumerate(value):
-                if isinstance(item, BaseModel):
-                    refuse_unsupported(item, endpoint, f"{path}{name}[{index}].")
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return ApiError(400, "unsupported_parameter", message, details={"param": param})
+def refuse_unsupported(body: BaseModel, endpoint: str) -> None:
+    """400 unsupported_parameter for the first field set beyond what the endpoint honours
+    (terms.refuse_unsupported, with the endpoint's reasons and neutral values)."""
+    terms.refuse_unsupported(body, UNSUPPORTED.get(endpoint), _NEUTRAL.get(endpoint))
 
 
 # -- chat ---------------------------------------------------------------------------------
-
-TEXT_PARTS = ("text", "input_text", "output_text")
-
-
-class TextPart(Body):
-    type: str = "text"
-    text: Text | None = None  # required for a text part (common.messages says so by name)
-
-
-class CalledFunction(Body):
-    name: FunctionName
-    arguments: Text = "{}"
-
-
-class ToolCall(Body):
-    id: str = Field(max_length=256)
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class Message(Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # A string, or a list of content parts (text only: others are refused by their type).
-    content: Text | list[TextPart] | None = None
-    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # assistant
-    tool_call_id: str | None = Field(default=None, max_length=256)  # tool
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
-        return self.content or ""
 
 
 class FunctionDefinition(Body):

@@ -23,28 +23,19 @@ stream cancels the generation.
   band; the answer says which ran (auto and default: default).
 - prompt_cache_key: routing affinity (requests with the same key prefer the same replica).
 
-The package's modules, lowest first: plan.py (how a chat call runs and how its output is
-read: ChatPlan), requests.py (a body as the ordinary requests behind it: sampling, seeds,
-guided decoding), objects.py (the completion objects from records), chunks.py (the
-streamed chunks: ChunkStream), routes.py (the router). The Responses, Anthropic and Batch
-APIs use the plan, the requests and the objects; they import them from here."""
+The package's modules, lowest first: plan.py (the core's plan of a chat completion's tools,
+tool choice, logprobs and tier), requests.py (a body as the core's call, LlmCall, and so as
+the ordinary requests behind it), objects.py (the completion objects from records),
+chunks.py (the streamed chunks: ChunkStream), routes.py (the router). The Batch API uses
+the requests and the objects; the other doors map onto gateway.server.calls themselves."""
 
 from gateway.server.openai.chat.chunks import ChunkStream, Pads
 from gateway.server.openai.chat.objects import chat_completion, completion_logprobs, text_completion
-from gateway.server.openai.chat.plan import ChatPlan, chat_plan, read_calls
-from gateway.server.openai.chat.requests import (
-    MAX_CHOICES,
-    chat_request,
-    completion_request,
-    openai_sampling,
-    parameters,
-    seeds,
-)
+from gateway.server.openai.chat.plan import chat_plan
+from gateway.server.openai.chat.requests import chat_request, completion_request
 from gateway.server.openai.chat.routes import router
 
 __all__ = [
-    "MAX_CHOICES",
-    "ChatPlan",
     "ChunkStream",
     "Pads",
     "chat_completion",
@@ -52,10 +43,6 @@ __all__ = [
     "chat_request",
     "completion_logprobs",
     "completion_request",
-    "openai_sampling",
-    "parameters",
-    "read_calls",
     "router",
-    "seeds",
     "text_completion",
 ]

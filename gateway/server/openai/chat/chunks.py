@@ -12,10 +12,12 @@ from sse_starlette import ServerSentEvent
 
 from gateway.protocol import ResultRecord, State
 from gateway.server.api.sse import FrameTemplate, json_value
+from gateway.server.calls import run, terms
+from gateway.server.calls.terms import ChatPlan, read_calls
 from gateway.server.llm import tools as toolcalls
 from gateway.server.openai import common
 from gateway.server.openai.chat.objects import completion_logprobs, head
-from gateway.server.openai.chat.plan import ChatPlan, chat_plan, read_calls, tool_call
+from gateway.server.openai.chat.plan import chat_plan, tool_call
 from gateway.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.server.services import Services
 
@@ -65,7 +67,7 @@ class ChunkStream:
         self.calls = [0] * len(request_ids)  # tool calls sent per choice
         self.offsets = [0] * len(request_ids)  # text sent per choice (completions' text_offset)
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        self.base = head(kind, request_ids[0], common.created(), body.model, common.tier(body.service_tier))
+        self.base = head(kind, request_ids[0], common.created(), body.model, terms.tier(body.service_tier))
         self.templates: dict[int, FrameTemplate] = {}  # a choice's text delta (_text_frame)
         self.pads = Pads()
 
@@ -139,9 +141,9 @@ class ChunkStream:
             content, calls = read_calls(self.held[index], self.plan)
             items: list[str | toolcalls.ToolCall] = [*calls] if calls else [content or ""]
             events += self._pieces(index, record.request_id, items)
-        reason = common.finish_reason(record)  # a call cut by max_tokens says "length"
+        reason = run.finish_reason(record)  # a call cut by max_tokens says "length"
         finish = "tool_calls" if self.calls[index] and reason != "length" else reason
-        entries = common.logprobs_of(record)
+        entries = run.logprobs_of(record)
         if self.chat:
             logprobs = {"content": entries, "refusal": None} if self.plan.logprobs else None
             choice = {"index": index, "delta": {}, "finish_reason": finish, "logprobs": logprobs}
@@ -153,17 +155,17 @@ class ChunkStream:
         events.append(self._event(choice))
         return events
 
-    async def events(self, svc: Services) -> AsyncIterator[ServerSentEvent | bytes]:
+    async def events(self, svc: Services, tenant: str) -> AsyncIterator[ServerSentEvent | bytes]:
         if self.chat:
             for index in range(len(self.request_ids)):
                 yield self._delta(index, {"role": "assistant", "content": ""})
         records: list[ResultRecord] = []
-        async for index, event in common.follow_all(svc, self.request_ids):
+        async for index, event in run.follow_all(svc, self.request_ids, tenant):
             if event.kind == "token":
-                for chunk in self.on_token(index, self.request_ids[index], common.token_text(event)):
+                for chunk in self.on_token(index, self.request_ids[index], run.token_text(event)):
                     yield chunk
             elif event.terminal:
-                record = common.record_of(event)
+                record = run.record_of(event)
                 if record.status != State.SUCCEEDED:
                     code = record.error.code if record.error else record.status.value
                     message = record.error.message if record.error else f"the request was {record.status.value}"

@@ -6,13 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.protocol import ResultRecord
+from gateway.server.calls import run, terms
+from gateway.server.calls.terms import read_calls
 from gateway.server.llm import tools as toolcalls
 from gateway.server.openai import common
-from gateway.server.openai.chat.plan import chat_plan, read_calls, tool_call
+from gateway.server.openai.chat.plan import chat_plan, tool_call
 from gateway.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 
-def head(kind: str, request_id: str, created: int, model: str, tier: common.Tier) -> dict[str, Any]:
+def head(kind: str, request_id: str, created: int, model: str, tier: terms.Tier) -> dict[str, Any]:
     """The fields a completion object, or a streamed chunk, begins with (`kind` is its
     `object`); its id names the first request behind it."""
     return {
@@ -37,11 +39,11 @@ def chat_completion(
         text = (record.outputs or {}).get("text_output", "")
         content, calls = read_calls(text, plan)
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
-        finish = common.finish_reason(record)
+        finish = run.finish_reason(record)
         if calls:
             message["tool_calls"] = [tool_call(record.request_id, i, call) for i, call in enumerate(calls)]
             finish = "tool_calls" if finish != "length" else finish  # a call cut by max_tokens says so
-        logprobs = {"content": common.logprobs_of(record), "refusal": None} if plan.logprobs else None
+        logprobs = {"content": run.logprobs_of(record), "refusal": None} if plan.logprobs else None
         choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs})
     first = records[0]
     opening = head("chat.completion", first.request_id, common.created(first), body.model, plan.tier)
@@ -67,12 +69,10 @@ def text_completion(records: list[ResultRecord], body: CompletionRequest, tpb: i
     choices = []
     for index, record in enumerate(records):
         text = (record.outputs or {}).get("text_output", "")
-        logprobs = completion_logprobs(common.logprobs_of(record)) if body.logprobs is not None else None
-        choices.append(
-            {"index": index, "text": text, "finish_reason": common.finish_reason(record), "logprobs": logprobs}
-        )
+        logprobs = completion_logprobs(run.logprobs_of(record)) if body.logprobs is not None else None
+        choices.append({"index": index, "text": text, "finish_reason": run.finish_reason(record), "logprobs": logprobs})
     first = records[0]
     opening = head(
-        "text_completion", first.request_id, common.created(first), body.model, common.tier(body.service_tier)
+        "text_completion", first.request_id, common.created(first), body.model, terms.tier(body.service_tier)
     )
     return {**opening, "choices": choices, "usage": common.usage(records, tpb)}

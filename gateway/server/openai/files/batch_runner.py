@@ -37,9 +37,10 @@ from gateway.protocol import ResultRecord
 from gateway.protocol.http import InferRequest
 from gateway.server import spine
 from gateway.server.api.errors import ApiError
+from gateway.server.calls.requests import tokens_per_block, tool_format
+from gateway.server.calls.run import raise_for_record
 from gateway.server.errors import Busy, Refused
 from gateway.server.openai.chat import chat_completion, chat_request, completion_request, text_completion
-from gateway.server.openai.common import raise_for_record, tokens_per_block, tool_format
 from gateway.server.openai.embeddings import embedding_adapter, embedding_requests, embeddings_response
 from gateway.server.openai.errors import error_status, openai_error_body
 from gateway.server.openai.files.batch_store import (

@@ -1,15 +1,16 @@
 """A create call as the gateway runs it: the request for the engine, what the response
 echoes, its input items and the items before them (its chain or its conversation)."""
 
-import json
 from typing import Any
 
 from gateway.protocol.http import InferRequest
 from gateway.server import spine
 from gateway.server.api.tenancy import Caller
-from gateway.server.llm import tools as toolcalls
+from gateway.server.calls import requests as call_requests
+from gateway.server.calls import terms
+from gateway.server.calls.requests import LlmCall, Output
+from gateway.server.calls.terms import Message, unsupported
 from gateway.server.openai import common
-from gateway.server.openai.chat import parameters
 from gateway.server.openai.responses.chains import (
     continued,
     conversation_items,
@@ -36,11 +37,9 @@ from gateway.server.openai.responses.store import (
 )
 from gateway.server.openai.schemas import (
     INCLUDE_LOGPROBS,
-    Message,
     ResponseRequest,
     ResponseTool,
     refuse_unsupported,
-    unsupported,
 )
 from gateway.server.services import Services
 
@@ -84,13 +83,13 @@ def _settings(body: ResponseRequest, tools: list[dict[str, Any]], logprobs: bool
         logprobs=logprobs,
         # The cap that applies: the one given, else the gateway's default (a response cut by
         # either says max_output_tokens, and this says which number it was).
-        max_output_tokens=body.max_output_tokens or common.DEFAULT_MAX_TOKENS,
+        max_output_tokens=body.max_output_tokens or call_requests.DEFAULT_MAX_TOKENS,
         text=text,
         metadata=dict(body.metadata or {}),
         user=body.user,
         safety_identifier=body.safety_identifier,
         prompt_cache_key=body.prompt_cache_key,
-        service_tier=common.tier(body.service_tier).name,
+        service_tier=terms.tier(body.service_tier).name,
     )
 
 
@@ -223,11 +222,11 @@ async def response_call(
 ) -> Call:
     """The call as a request. `previous`: the items of previous_response_id when the caller
     holds them (a WebSocket's store: false responses), instead of reading its chain."""
-    adapter = common.llm(svc, body.model, chat=True)
+    adapter = call_requests.llm(svc, body.model, chat=True)
     items = input_items(body)
     tools = _tools(body)
     refuse_unsupported(body, "responses")
-    run_as = common.tier(body.service_tier)
+    run_as = terms.tier(body.service_tier)
     for index, item in enumerate(body.include or []):
         if item not in (INCLUDE_LOGPROBS, INCLUDE_REASONING):
             raise unsupported(
@@ -241,7 +240,7 @@ async def response_call(
     # top_logprobs asks for log-probabilities as much as the include does.
     logprobs = INCLUDE_LOGPROBS in (body.include or []) or bool(body.top_logprobs)
     settings = _settings(body, tools, logprobs)
-    plan = settings.plan(common.tool_format(svc, body.model))
+    plan = settings.plan(call_requests.tool_format(svc, body.model))
     chain: list[str] = []
     context: list[dict[str, Any]] = []
     if body.previous_response_id and settings.conversation:
@@ -261,46 +260,34 @@ async def response_call(
     messages = chat_messages(context + items, await _summaries(svc, who, context, items))
     if body.instructions:
         messages.insert(0, Message(role="system", content=body.instructions))
-    inputs: dict[str, Any] = {
-        "messages": common.messages(messages),
-        "max_tokens": body.max_output_tokens or common.DEFAULT_MAX_TOKENS,
-    }
-    if plan.tools:
-        common.require(adapter, "tools", "tools")
-        inputs["tools"] = plan.tools
     text_format = body.text.format if body.text is not None else None
-    if plan.forced:
-        common.require(adapter, "guided_decoding", "tool_choice", "a forced tool call (tool_choice required or named)")
-        # (The output is the call alone: a text.format, for text, has nothing to shape.)
-        schema = toolcalls.forced_call_schema(plan.tools or [])
-        inputs["guided_decoding"] = {"guide_type": "json_schema", "guide": json.dumps(schema)}
-    elif text_format is not None and text_format.type != "text":
-        common.require(adapter, "guided_decoding", "text.format", f"text.format {text_format.type}")
+    output = None  # (a forced call is the output alone: a text.format, for text, has nothing to shape)
+    if not plan.forced and text_format is not None and text_format.type != "text":
+        what = f"text.format {text_format.type}"
         if text_format.type == "json_object":
-            guide: dict[str, Any] = {"type": "object"}
+            output = Output(call_requests.json_guide({"type": "object"}), "text.format", what)
         elif text_format.schema_:
-            guide = text_format.schema_
+            output = Output(call_requests.json_guide(text_format.schema_), "text.format", what)
         else:
-            raise invalid("text.format.schema", "json_schema needs a schema")
-        inputs["guided_decoding"] = {"guide_type": "json_schema", "guide": json.dumps(guide)}
+            output = Output(None, "text.format", what, invalid("text.format.schema", "json_schema needs a schema"))
     labels = common.metadata(body, "responses", run_as) | {"background": "true" if body.background else "false"}
     if not settings.store:
         labels["store"] = "false"
-    native = parameters(
-        body,
+    (request,) = call_requests.requests(
+        LlmCall(
+            model=body.model,
+            messages=terms.messages(messages),
+            max_tokens=body.max_output_tokens or call_requests.DEFAULT_MAX_TOKENS,
+            plan=plan,
+            output=output,
+            sampling=call_requests.sampling_of(body),
+            top_logprobs=body.top_logprobs or 0,
+            prompt_cache_key=body.prompt_cache_key,
+            stream=bool(body.stream or body.background),
+            labels=labels,
+        ),
         adapter,
-        logprobs=logprobs,
-        top_logprobs=body.top_logprobs or 0,
-        prompt_cache_key=body.prompt_cache_key,
-    )
-    request = InferRequest(
-        model=body.model,
-        inputs=inputs,
-        parameters=native,
-        stream=bool(body.stream or body.background),
-        metadata=labels,
-        priority=run_as.priority,
-        timeout_s=common.timeout_for(svc, run_as),
+        svc,
     )
     call = Call(request, settings, items, chain, context)
     call.ignored = ignored(body)

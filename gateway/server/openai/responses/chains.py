@@ -10,7 +10,7 @@ from gateway.protocol import ResultRecord, valid_request_id
 from gateway.protocol.http import LiveStatus
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller
-from gateway.server.openai import common
+from gateway.server.calls import requests as call_requests
 from gateway.server.openai.paging import following
 from gateway.server.openai.responses.items import (
     function_call_id,
@@ -129,7 +129,7 @@ def _response_items(
     record = records.get(request_id_of(response))
     if record is not None:
         settings = ResponseSettings.model_validate(document.get("settings") or {})
-        items += output_of(record, settings, common.tool_format(svc, record.model)).items
+        items += output_of(record, settings, call_requests.tool_format(svc, record.model)).items
     return items
 
 

@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse
 
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
+from gateway.server.calls import requests as call_requests
+from gateway.server.calls import run, terms
 from gateway.server.openai import common
 from gateway.server.openai.responses.call import response_call
 from gateway.server.openai.responses.compactions import CompactionStore, new_compaction
@@ -88,9 +90,9 @@ async def compact_response(
             details={"param": "input"},
         )
     call = await response_call(_summarising_request(body), svc, who)
-    (request_id,) = await common.start(svc, who, request, [call.native], flex=common.tier(body.service_tier).flex)
-    record = await common.wait_record(svc, who, request_id, call.native.timeout_s or svc.settings.default_timeout_s)
-    common.raise_for_record(record)
+    (request_id,) = await run.start(svc, who, request, [call.native], flex=terms.tier(body.service_tier).flex)
+    record = await run.wait_record(svc, who, request_id, call.native.timeout_s or svc.settings.default_timeout_s)
+    run.raise_for_record(record)
     summary = str((record.outputs or {}).get("text_output") or "").strip()
     item_id, reference = new_compaction()
     await CompactionStore(svc).put(who.scope, reference, item_id, summary, body.model)
@@ -98,7 +100,7 @@ async def compact_response(
     # instruction, last, is the gateway's own), then the summary.
     conversation = with_ids(call.context + call.items[:-1], request_id)
     users = [_user_message(i) for i in conversation if i.get("type") == "message" and i.get("role") == "user"]
-    counted = common.usage([record], common.tokens_per_block(svc, body.model))
+    counted = common.usage([record], call_requests.tokens_per_block(svc, body.model))
     compacted = {
         "id": response_id(request_id),
         "object": "response.compaction",

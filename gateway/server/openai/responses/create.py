@@ -15,7 +15,8 @@ from gateway.server import spine
 from gateway.server.api.errors import ApiError
 from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.openai import common
+from gateway.server.calls import requests as call_requests
+from gateway.server.calls import run, terms
 from gateway.server.openai.paging import ItemsPage, items_page, page_after
 from gateway.server.openai.responses.call import keep, response_call, warning
 from gateway.server.openai.responses.chains import (
@@ -50,11 +51,19 @@ async def _stream(
     settings: ResponseSettings,
     after: int,
     *,
+    tenant: str,
     cancel_on_disconnect: bool,
     obfuscate: bool = True,
 ) -> AsyncIterator[ServerSentEvent]:
     events = response_events(
-        svc, request_id, model, settings, after, cancel_on_disconnect=cancel_on_disconnect, obfuscate=obfuscate
+        svc,
+        request_id,
+        model,
+        settings,
+        after,
+        tenant=tenant,
+        cancel_on_disconnect=cancel_on_disconnect,
+        obfuscate=obfuscate,
     )
     async for payload in events:
         yield ServerSentEvent(data=json.dumps(payload, ensure_ascii=False), event=payload["type"])
@@ -70,16 +79,23 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
     settings = call.settings
     if body.stream:  # a stream past the tenant's share of followers: refused before anything is queued
         svc.events.admissible(who.tenant)
-    (request_id,) = await common.start(svc, who, request, [call.native], flex=common.tier(body.service_tier).flex)
+    (request_id,) = await run.start(svc, who, request, [call.native], flex=terms.tier(body.service_tier).flex)
     headers = {"x-request-id": request_id, **warning(call.ignored)}
     await keep(svc, who, call, request_id, body.model)
-    tpb = common.tokens_per_block(svc, body.model)
-    fmt = common.tool_format(svc, body.model)
+    tpb = call_requests.tokens_per_block(svc, body.model)
+    fmt = call_requests.tool_format(svc, body.model)
     if body.stream:
         obfuscate = body.stream_options is None or body.stream_options.include_obfuscation
         # A background stream survives a disconnect (resume it with starting_after).
         stream = _stream(
-            svc, request_id, body.model, settings, -1, cancel_on_disconnect=not body.background, obfuscate=obfuscate
+            svc,
+            request_id,
+            body.model,
+            settings,
+            -1,
+            tenant=who.tenant,
+            cancel_on_disconnect=not body.background,
+            obfuscate=obfuscate,
         )
         return EventStream(stream, ping=svc.settings.sse_ping_s, headers=headers)
     if body.background:
@@ -87,7 +103,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
         # Accepted just now: queued (unless an Idempotency-Key named one that has ended).
         status = None if outcome.status.terminal else "queued"
         return JSONResponse(response_object(outcome, settings, tpb, fmt, status=status), headers=headers)
-    record = await common.wait_record(svc, who, request_id, call.native.timeout_s or svc.settings.default_timeout_s)
+    record = await run.wait_record(svc, who, request_id, call.native.timeout_s or svc.settings.default_timeout_s)
     return JSONResponse(response_object(record, settings, tpb, fmt), headers=headers)
 
 
@@ -104,7 +120,9 @@ async def get_response(
     model = outcome.model
     if not stream:
         return JSONResponse(
-            response_object(outcome, settings, common.tokens_per_block(svc, model), common.tool_format(svc, model))
+            response_object(
+                outcome, settings, call_requests.tokens_per_block(svc, model), call_requests.tool_format(svc, model)
+            )
         )
     request_id = request_id_of(response)
     job = await svc.results.job(request_id, who.scope)
@@ -112,7 +130,7 @@ async def get_response(
         raise ApiError(410, "stream_expired", f"the events of {response} are no longer kept; GET it without stream")
     after = -1 if starting_after is None else starting_after
     return EventStream(
-        _stream(svc, request_id, model, settings, after, cancel_on_disconnect=False),
+        _stream(svc, request_id, model, settings, after, tenant=who.tenant, cancel_on_disconnect=False),
         ping=svc.settings.sse_ping_s,
     )
 
@@ -162,5 +180,7 @@ async def cancel_response(response: str, request: Request, who: Annotated[Caller
         outcome = await svc.results.wait(outcome.request_id, 5.0, who.scope)
     model = outcome.model
     return JSONResponse(
-        response_object(outcome, settings, common.tokens_per_block(svc, model), common.tool_format(svc, model))
+        response_object(
+            outcome, settings, call_requests.tokens_per_block(svc, model), call_requests.tool_format(svc, model)
+        )
     )

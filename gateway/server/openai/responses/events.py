@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from gateway.protocol import request_id_time
+from gateway.server.calls import requests as call_requests
+from gateway.server.calls import run
 from gateway.server.llm import tools as toolcalls
 from gateway.server.openai import common
 from gateway.server.openai.responses.items import (
@@ -69,9 +71,9 @@ class ResponseEvents:
             yield self._event("response.in_progress", response=self._live("in_progress"))
             yield from self._steps(self.output.start())
         elif event.kind == "token":
-            yield from self._steps(self.output.feed(common.token_text(event)))
+            yield from self._steps(self.output.feed(run.token_text(event)))
         elif event.terminal:
-            record = common.record_of(event)
+            record = run.record_of(event)
             yield from self._steps(self.output.finish(record))
             final = response_object(record, self.settings, self.tpb, self.tool_format, self.output.items)
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(final["status"])
@@ -85,16 +87,24 @@ async def response_events(
     settings: ResponseSettings,
     after: int,
     *,
+    tenant: str,
     cancel_on_disconnect: bool,
     obfuscate: bool = True,
 ) -> AsyncIterator[dict[str, Any]]:
     """A response's events (as JSON objects) after sequence number `after`, read from its
-    request's own events (in Redis): the same for SSE and for a WebSocket."""
-    tpb = common.tokens_per_block(svc, model)
+    request's own events (in Redis), held against the share of `tenant` (the caller's):
+    the same for SSE and for a WebSocket."""
+    tpb = call_requests.tokens_per_block(svc, model)
     # (The time in the request's id: the same in a resumed stream as in the first.)
     created = int(request_id_time(request_id) or time.time())
-    numbering = ResponseEvents(request_id, model, created, settings, tpb, common.tool_format(svc, model), obfuscate)
-    events = common.follow(svc, request_id) if cancel_on_disconnect else svc.events.follow(request_id, "0-0")
+    numbering = ResponseEvents(
+        request_id, model, created, settings, tpb, call_requests.tool_format(svc, model), obfuscate
+    )
+    events = (
+        run.follow(svc, request_id, tenant)
+        if cancel_on_disconnect
+        else svc.events.follow(request_id, "0-0", tenant=tenant)
+    )
     async for event in events:
         for sequence, payload in numbering.of(event):
             if sequence > after:

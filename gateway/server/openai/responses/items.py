@@ -9,9 +9,9 @@ from typing import Any
 from fastapi import Request
 
 from gateway.protocol import ResultRecord, State
+from gateway.server.calls import run, terms
+from gateway.server.calls.terms import CalledFunction, ChatPlan, Message, ToolCall, unsupported
 from gateway.server.llm import tools as toolcalls
-from gateway.server.openai import common
-from gateway.server.openai.chat import ChatPlan
 from gateway.server.openai.responses.settings import (
     ResponseSettings,
     invalid,
@@ -21,16 +21,12 @@ from gateway.server.openai.responses.settings import (
 from gateway.server.openai.schemas import (
     INCLUDE_LOGPROBS,
     RESPONSE_TEXT_PARTS,
-    CalledFunction,
     CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
-    Message,
     ResponseContentPart,
     ResponseInputMessage,
     ResponseRequest,
-    ToolCall,
-    unsupported,
 )
 
 # -- input items ------------------------------------------------------------------------------
@@ -155,7 +151,7 @@ def chat_messages(items: list[dict[str, Any]], summaries: dict[str, str] | None 
 
 
 def function_call_id(request_id: str, index: int) -> str:
-    return "fc_" + common.call_id(request_id, index).removeprefix("call_")
+    return "fc_" + terms.call_id(request_id, index).removeprefix("call_")
 
 
 Step = tuple[str, dict[str, Any]]
@@ -209,7 +205,7 @@ class Output:
 
     def finish(self, record: ResultRecord) -> list[Step]:
         succeeded = record.status == State.SUCCEEDED
-        cut = succeeded and common.finish_reason(record) == "length"
+        cut = succeeded and run.finish_reason(record) == "length"
         steps: list[Step] = []
         if self.parser is not None:
             for item in self.parser.finish():
@@ -224,7 +220,7 @@ class Output:
             steps += self._open()
         if self.message is not None:
             status = "completed" if succeeded and not cut else "incomplete"
-            logprobs = common.logprobs_of(record)
+            logprobs = run.logprobs_of(record)
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": logprobs}
             where = {"item_id": self.message_id, "output_index": self.message, "content_index": 0}
             message = self.items[self.message]
@@ -277,7 +273,7 @@ class Output:
             "id": function_call_id(self.request_id, number),
             "type": "function_call",
             "status": "in_progress",
-            "call_id": common.call_id(self.request_id, number),
+            "call_id": terms.call_id(self.request_id, number),
             "name": call.name,
             "arguments": "",
         }

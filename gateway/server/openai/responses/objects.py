@@ -4,6 +4,7 @@ from typing import Any
 
 from gateway.protocol import ResultRecord, State
 from gateway.protocol.http import LiveStatus
+from gateway.server.calls import run
 from gateway.server.llm import tools as toolcalls
 from gateway.server.openai import common
 from gateway.server.openai.responses.items import (
@@ -34,7 +35,7 @@ def response_object(
     fields: dict[str, Any] = {}
     if isinstance(outcome, ResultRecord):
         fields["output"] = output if output is not None else output_of(outcome, settings, tool_format).items
-        if outcome.status == State.SUCCEEDED and common.finish_reason(outcome) == "length":
+        if outcome.status == State.SUCCEEDED and run.finish_reason(outcome) == "length":
             found = "incomplete"
             fields["incomplete_details"] = {"reason": "max_output_tokens"}
             made = outcome.usage.completion_tokens if outcome.usage else None

@@ -9,9 +9,9 @@ from pydantic import BaseModel, Field
 from gateway.protocol import ResultRecord, State, valid_request_id
 from gateway.protocol.http import LiveStatus
 from gateway.server.api.errors import ApiError
+from gateway.server.calls import terms
+from gateway.server.calls.terms import ChatPlan
 from gateway.server.llm import tools as toolcalls
-from gateway.server.openai import common
-from gateway.server.openai.chat import ChatPlan
 
 # Calls one output may hold (max_tool_calls may say fewer).
 MAX_TOOL_CALLS = 128
@@ -84,7 +84,7 @@ class ResponseSettings(BaseModel):
             forced=forced and bool(offered),
             parallel=self.parallel_tool_calls,
             logprobs=self.logprobs,
-            tier=common.tier(self.service_tier),
+            tier=terms.tier(self.service_tier),
             tool_format=tool_format,
         )
 

@@ -52,8 +52,8 @@ from gateway.server.api.edge import access_log, loggable_path
 from gateway.server.api.errors import ApiError, ErrorRenderer
 from gateway.server.api.request_id import HEADER, accepted_trace_id, bind_trace_id
 from gateway.server.api.tenancy import Caller, identify
+from gateway.server.calls import terms
 from gateway.server.errors import Refused
-from gateway.server.openai import common
 from gateway.server.openai.errors import openai_error, openai_error_body
 from gateway.server.openai.responses.call import keep, response_call
 from gateway.server.openai.responses.events import response_events
@@ -186,7 +186,7 @@ class _Socket:
             # Its events are followed from this process: refused before it is submitted
             # (not left running unfollowed) when the tenant holds its share of followers.
             self.svc.events.admissible(self.who.tenant)
-            flex = common.tier(body.service_tier).flex
+            flex = terms.tier(body.service_tier).flex
             (request_id,) = (await self.svc.submitter.submit_many(self.who, [call.native], flex=flex)).request_ids
             await keep(self.svc, self.who, call, request_id, body.model, resumable=True)
         except Exception as exc:  # refused: said on the socket, which stays open
@@ -218,7 +218,14 @@ class _Socket:
         final: dict[str, Any] | None = None
         try:
             events = response_events(
-                self.svc, request_id, model, settings, after, cancel_on_disconnect=False, obfuscate=obfuscate
+                self.svc,
+                request_id,
+                model,
+                settings,
+                after,
+                tenant=self.who.tenant,
+                cancel_on_disconnect=False,
+                obfuscate=obfuscate,
             )
             async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
                 async for payload in stream:
