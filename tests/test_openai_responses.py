@@ -446,6 +446,21 @@ def test_input_items_list_the_chain_then_the_input_newest_first(client) -> None:
     assert [item.id for item in rest.data] == [item.id for item in reversed(items.data[:2])]
 
 
+def test_both_item_lists_refuse_an_include_other_than_the_logprobs(client) -> None:
+    response = client.responses.create(model="llm_echo", input="First.", max_output_tokens=10)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Keep me."}])
+    for path in (f"responses/{response.id}/input_items", f"conversations/{conversation.id}/items"):
+        url = f"{client.base_url}{path}"
+        refused = httpx.get(url, headers=AUTH, params={"include[]": "file_search_call.results"}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        assert (refused.json()["error"]["code"], refused.json()["error"]["param"]) == (
+            "unsupported_parameter",
+            "include[0]",
+        )
+        listed = httpx.get(url, headers=AUTH, params={"include[]": "message.output_text.logprobs"}, timeout=60)
+        assert listed.status_code == 200, listed.text
+
+
 def test_a_chain_outlives_the_gateway_that_made_it(stack, client) -> None:
     process, url = stack.start_gateway("responses-restart")
     other = openai.OpenAI(base_url=f"{url}/v1", api_key=stack.api_key, max_retries=0, timeout=120)

@@ -34,9 +34,9 @@ from pydantic import Field
 
 from gateway.server.api.errors import ApiError
 from gateway.server.api.tenancy import Caller, caller
-from gateway.server.openai.paging import ItemsPage, items_page, listing
+from gateway.server.openai.paging import ItemsPage, listing
 from gateway.server.openai.responses.chains import conversation_of, conversation_page, entry_of
-from gateway.server.openai.responses.items import check_include, items_of, with_ids
+from gateway.server.openai.responses.items import check_include, items_list, items_of, with_ids
 from gateway.server.openai.responses.store import ConversationStore, item_entry
 from gateway.server.openai.schemas import Body, Metadata, ResponseInputItem, refuse_unsupported
 from gateway.server.services import Services, services
@@ -176,10 +176,9 @@ async def list_items(
     conversation: str,
     request: Request,
     who: Annotated[Caller, Depends(caller)],
-    page: Annotated[ItemsPage, Depends(items_page)],
+    page: Annotated[ItemsPage, Depends(items_list)],
 ) -> Any:
     svc = services(request)
-    check_include(request)
     await conversation_of(svc, who, conversation)
     items, more = await conversation_page(
         svc, who, conversation, limit=page.limit, after=page.after, descending=page.descending

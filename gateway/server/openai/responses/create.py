@@ -17,7 +17,7 @@ from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.calls import requests as call_requests
 from gateway.server.calls import run, terms
-from gateway.server.openai.paging import ItemsPage, items_page, page_after
+from gateway.server.openai.paging import ItemsPage, page_after
 from gateway.server.openai.responses.call import keep, response_call, warning
 from gateway.server.openai.responses.chains import (
     chain_items,
@@ -26,12 +26,9 @@ from gateway.server.openai.responses.chains import (
     read,
 )
 from gateway.server.openai.responses.events import response_events
-from gateway.server.openai.responses.items import (
-    check_include,
-)
+from gateway.server.openai.responses.items import items_list
 from gateway.server.openai.responses.objects import response_object
 from gateway.server.openai.responses.settings import (
-    ResponseSettings,
     invalid,
     request_id_of,
 )
@@ -39,32 +36,13 @@ from gateway.server.openai.responses.store import ConversationStore, ResponseSto
 from gateway.server.openai.schemas import (
     ResponseRequest,
 )
-from gateway.server.services import Services, services
+from gateway.server.services import services
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 
-async def _stream(
-    svc: Services,
-    request_id: str,
-    model: str,
-    settings: ResponseSettings,
-    after: int,
-    *,
-    tenant: str,
-    cancel_on_disconnect: bool,
-    obfuscate: bool = True,
-) -> AsyncIterator[ServerSentEvent]:
-    events = response_events(
-        svc,
-        request_id,
-        model,
-        settings,
-        after,
-        tenant=tenant,
-        cancel_on_disconnect=cancel_on_disconnect,
-        obfuscate=obfuscate,
-    )
+async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[ServerSentEvent]:
+    """A response's events (response_events) as Server-Sent Events."""
     async for payload in events:
         yield ServerSentEvent(data=json.dumps(payload, ensure_ascii=False), event=payload["type"])
 
@@ -87,7 +65,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
     if body.stream:
         obfuscate = body.stream_options is None or body.stream_options.include_obfuscation
         # A background stream survives a disconnect (resume it with starting_after).
-        stream = _stream(
+        events = response_events(
             svc,
             request_id,
             body.model,
@@ -97,7 +75,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Annotate
             cancel_on_disconnect=not body.background,
             obfuscate=obfuscate,
         )
-        return EventStream(stream, ping=svc.settings.sse_ping_s, headers=headers)
+        return EventStream(_sse(events), ping=svc.settings.sse_ping_s, headers=headers)
     if body.background:
         outcome = await svc.results.get(request_id, who.scope)
         # Accepted just now: queued (unless an Idempotency-Key named one that has ended).
@@ -129,10 +107,8 @@ async def get_response(
     if job is None:
         raise ApiError(410, "stream_expired", f"the events of {response} are no longer kept; GET it without stream")
     after = -1 if starting_after is None else starting_after
-    return EventStream(
-        _stream(svc, request_id, model, settings, after, tenant=who.tenant, cancel_on_disconnect=False),
-        ping=svc.settings.sse_ping_s,
-    )
+    events = response_events(svc, request_id, model, settings, after, tenant=who.tenant, cancel_on_disconnect=False)
+    return EventStream(_sse(events), ping=svc.settings.sse_ping_s)
 
 
 @router.get("/responses/{response}/input_items", summary="List the items a response was given")
@@ -140,10 +116,9 @@ async def list_input_items(
     response: str,
     request: Request,
     who: Annotated[Caller, Depends(caller)],
-    page: Annotated[ItemsPage, Depends(items_page)],
+    page: Annotated[ItemsPage, Depends(items_list)],
 ) -> Any:
     svc = services(request)
-    check_include(request)
     await read(svc, who, response)
     document = await kept(svc, who, response)
     if document is None:

@@ -4,14 +4,15 @@ steps (stream events) that tell of them."""
 
 import copy
 import hashlib
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from gateway.protocol import ResultRecord, State
 from gateway.server.calls import run, terms
 from gateway.server.calls.terms import CalledFunction, ChatPlan, Message, ToolCall, unsupported
 from gateway.server.llm import tools as toolcalls
+from gateway.server.openai.paging import ItemsPage, items_page
 from gateway.server.openai.responses.settings import (
     ResponseSettings,
     invalid,
@@ -320,3 +321,10 @@ def check_include(request: Request) -> None:
     for index, item in enumerate(include):
         if item != INCLUDE_LOGPROBS:
             raise unsupported(f"include[{index}]", f"include {item} is not supported: only {INCLUDE_LOGPROBS}")
+
+
+def items_list(request: Request, page: Annotated[ItemsPage, Depends(items_page)]) -> ItemsPage:
+    """The page a list of items (a conversation's, a response's input items) asks for, its
+    `include` checked: the dependency of both list routes."""
+    check_include(request)
+    return page
