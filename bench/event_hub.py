@@ -73,7 +73,7 @@ async def _publish(url: str, ids: list[str], events_a_second: int, seconds: floa
 
 
 async def follow(hub: EventHub, rid: str, latencies: list[float], arrived: list[float]) -> None:
-    async for event in hub.follow(rid, "0-0"):
+    async for event in hub.follow(rid, "0-0", tenant=None):
         if event.kind == "token":
             latencies.append(time.time() - float(json.loads(event.data)["text_output"]))
         else:  # the event the stream held before its follower came

@@ -118,7 +118,7 @@ class Follower:
         self.task = asyncio.create_task(self._follow(hub, request_id))
 
     async def _follow(self, hub: EventHub, request_id: str) -> None:
-        async for event in hub.follow(request_id, "0-0"):
+        async for event in hub.follow(request_id, "0-0", tenant=None):
             self.kinds.append(event.kind)
             self.changed.set()
 

@@ -478,3 +478,31 @@ async def test_v1_and_anthropic_streams_count_against_the_same_share_as_sse_stre
         assert refused.status_code == 429, refused.text
         answered = await a.post("/v1/chat/completions", json=chat)  # not a stream: answered
         assert answered.status_code == 200, answered.text
+
+
+async def _open_chat_stream(exits: AsyncExitStack, client: httpx.AsyncClient) -> None:
+    """A /v1 chat stream of a long request, held open (until exits closes) once its first chunk came."""
+    body = {"model": "llm_synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000}
+    response = await exits.enter_async_context(
+        client.stream("POST", "/v1/chat/completions", json={**body, "stream": True})
+    )
+    assert response.status_code == 200, await response.aread()
+    lines = response.aiter_lines()
+    exits.push_async_callback(lines.aclose)
+    async for line in lines:
+        if line.startswith("data:"):
+            return
+    raise AssertionError("the stream ended before its first chunk")
+
+
+async def test_open_v1_streams_hold_their_tenants_share_not_only_the_total(stack, small_gateway: str) -> None:
+    a = await _tenant_client(stack, small_gateway, "v1-streams-a")
+    b = await _tenant_client(stack, small_gateway, "v1-streams-b")
+    async with a, b, AsyncExitStack() as exits:
+        for _ in range(2):
+            await _open_chat_stream(exits, a)
+        # Its share (2) held by its /v1 streams: its SSE stream is refused, another tenant's is not.
+        refused = await _stream_status(a, await submit(a, _long()))
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "tenant_share_exceeded"
+        await _open_stream(exits, b, await submit(b, _long()))

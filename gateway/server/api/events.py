@@ -88,9 +88,7 @@ async def result_events(
 QUEUE_EVERY_S = 1.0
 
 
-async def sse_events(
-    svc: Services, request_id: str, after: str, tenant: str | None = None
-) -> AsyncIterator[ServerSentEvent]:
+async def sse_events(svc: Services, request_id: str, after: str, tenant: str) -> AsyncIterator[ServerSentEvent]:
     """The request's events; while it is queued, `queue` events (without an id: nothing to
     resume from) with its place and expected start, when that changes. Held against the
     tenant's share of the process's followers: refused (an `error` event) when it holds

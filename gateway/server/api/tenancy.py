@@ -15,7 +15,7 @@ from fastapi import Request
 
 from gateway.protocol.records import DEFAULT_TENANT
 from gateway.server.api.errors import ApiError
-from gateway.server.tenants.caller import Caller, serving
+from gateway.server.tenants.caller import Caller
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
@@ -47,7 +47,6 @@ async def identify(svc: Services, authorization: str | None, x_api_key: str | No
     info = await svc.keys.verify(token)
     if info is None:
         raise ApiError(401, "invalid_api_key", "the API key is not valid (unknown or revoked)", headers=_CHALLENGE)
-    serving(info.tenant)
     return Caller(tenant=info.tenant, role=info.role, key_id=info.key_id, config=await svc.tenants.get(info.tenant))
 
 

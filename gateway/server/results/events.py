@@ -42,7 +42,6 @@ from gateway.common.streams import stream_id_order
 from gateway.protocol import EventKind
 from gateway.protocol.redis_keys import Shard, shard_of
 from gateway.server.errors import Refused
-from gateway.server.tenants.caller import calling_tenant
 from gateway.server.tenants.shares import PoolFull, SharedPool
 
 log = logging.getLogger(__name__)
@@ -223,23 +222,21 @@ class EventHub:
             finally:
                 self.long_polls -= 1
 
-    async def follow(self, request_id: str, after: str, *, tenant: str | None = None) -> AsyncIterator[StreamEvent]:
+    async def follow(self, request_id: str, after: str, *, tenant: str | None) -> AsyncIterator[StreamEvent]:
         """The events of a request after `after`, up to and including the terminal one.
-        Ends early (returns) if the stream disappears. Counted against the tenant's share
-        (ShareExceeded, TooManyStreams before the first event)."""
+        Ends early (returns) if the stream disappears. Counted against the share of
+        `tenant`, the tenant of the call it serves (None: the total only) (ShareExceeded,
+        TooManyStreams before the first event)."""
         async for event in self.follow_idle(request_id, after, idle_s=None, tenant=tenant):
             if event is not None:
                 yield event
 
     async def follow_idle(
-        self, request_id: str, after: str, *, idle_s: float | None, tenant: str | None = None
+        self, request_id: str, after: str, *, idle_s: float | None, tenant: str | None
     ) -> AsyncIterator[StreamEvent | None]:
         """As follow(), and, until the request has started, None whenever nothing came for
-        idle_s (for the caller to say something meanwhile). A follower whose caller did not
-        name the tenant (the /v1, Anthropic and WebSocket streams) counts against the
-        tenant of the call it serves: every door shares one share."""
-        if tenant is None:
-            tenant = calling_tenant()
+        idle_s (for the caller to say something meanwhile). Every door's followers (native
+        SSE, /v1, Anthropic, WebSocket) name their caller's tenant: one share for them all."""
         # Refused here, before the first event, when the tenant holds its share.
         with self.pool.hold(tenant):
             shard = shard_of(request_id)

@@ -3,7 +3,6 @@ response headers the calls made on its behalf add (rate limits)."""
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from gateway.protocol.records import DEFAULT_TENANT
@@ -27,18 +26,3 @@ class Caller:
     def scope(self) -> str:
         """The tenant whose objects this caller may see."""
         return self.tenant
-
-
-# The tenant of the call being served (set where the key is verified: api/tenancy.identify),
-# for the parts a call reaches that are not handed its caller (the event hub's share).
-_calling_tenant: ContextVar[str | None] = ContextVar("calling_tenant", default=None)
-
-
-def calling_tenant() -> str | None:
-    """The tenant of the call this task serves, if any."""
-    return _calling_tenant.get()
-
-
-def serving(tenant: str) -> None:
-    """This task (and those it starts) serves a call of `tenant`."""
-    _calling_tenant.set(tenant)
