@@ -126,3 +126,4 @@ def test_the_map_names_its_rooms_and_benches(the_map: str) -> None:
     names = named_paths(the_map)
     assert {"gateway/server/spine.py", "dispatch/runner.py", "results/"} <= names
     assert "cluster_bench" in named_benches(the_map)
+    assert "footprint" in named_benches(the_map)  # the count of files a request runs through
