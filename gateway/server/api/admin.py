@@ -86,7 +86,9 @@ async def create_key(body: NewKey, request: Request, who: Annotated[Caller, Depe
     if body.role == "operator" and not who.operator:
         _operator_key(body.role)
     svc = services(request)
-    info, key = await svc.keys.create(body.tenant, body.role, body.name, max_keys=svc.settings.tenant_max_keys)
+    info, key = await svc.keys.create(
+        body.tenant, body.role, body.name, max_keys=svc.settings.tenant_max_keys, redis=svc.redis
+    )
     return {**info.public(), "key": key}
 
 

@@ -6,7 +6,9 @@
 - checks the API key of every path but the public ones, from the headers, before a byte of
   the body is read (a caller without a valid key cannot make the gateway parse its JSON or
   spool its upload), and keeps who calls in the request's state for the routes (the
-  `caller` dependency and the hot routes reuse it: one check a request);
+  `caller` dependency and the hot routes reuse it: one check a request); then a path's
+  check before the body (POST /v1/files: the upload reserved against its tenant's quota),
+  whose hold it tells the body's size as it arrives and closes once the call has ended;
 - limits the body: over max_bytes (declared or streamed) is 413, not arriving within
   body_timeout_s is 408 (slow senders cannot hold a worker); a JSON body must be UTF-8;
   a body sent with Content-Encoding gzip or zstd is decompressed as it arrives, the limit
@@ -34,7 +36,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
@@ -120,9 +122,30 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
     return _TRANSFER_ENCODING in headers or (length is not None and length not in (b"0", b""))
 
 
+class BodyHold(Protocol):
+    """What a check before the body holds for its call (an upload's reservation of its
+    tenant's quota): told the body's size so far as it arrives (decompressed), which may
+    refuse it (raises BodyRefused); closed once the call has ended, however it ended. The
+    route finds it in the request's state (`body_hold`)."""
+
+    async def arrived(self, size: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 # A check of a call before its body is read: (the services, the caller, the declared body
-# size or None when it is not declared); raises what the call is refused with.
-BeforeBody = Callable[["Services", Any, int | None], Awaitable[None]]
+# size or None when it is not declared); raises what the call is refused with, or returns
+# what it holds for the call (None: nothing).
+BeforeBody = Callable[["Services", Any, int | None], Awaitable[BodyHold | None]]
+
+
+async def _closed(hold: BodyHold) -> None:
+    """Close what a check held for a call that ended (shielded: a cancelled call still
+    releases it; one that cannot be closed now lapses by itself)."""
+    try:
+        await asyncio.shield(hold.close())
+    except Exception:
+        logging.getLogger(__name__).warning("could not close what the call held", exc_info=True)
 
 
 class Edge:
@@ -193,6 +216,7 @@ class Edge:
         decoded = 0  # bytes a compressed body decompressed to so far
         decoder: Decoder | None = None
         json_values = 0
+        hold: BodyHold | None = None  # what the path's check before the body holds for the call
         body_done = False
         response_started = False
         holds_slot = False  # counted in self.inflight until its answer starts
@@ -234,6 +258,8 @@ class Edge:
                     if body_done:
                         decoder.finish()
                     message = {**message, "body": chunk}
+                if hold is not None:
+                    await hold.arrived(decoded if decoder is not None else received)
                 if utf8 is not None:
                     try:
                         utf8.decode(chunk, final=body_done)
@@ -290,7 +316,7 @@ class Edge:
             refusal = await self._authenticate(scope, headers.get(_AUTHORIZATION), headers.get(_X_API_KEY))
             check = self.before_body.get(path) if refusal is None and method == "POST" else None
             if check is not None:
-                refusal = await self._checked_before_body(scope, check, declared)
+                refusal, hold = await self._checked_before_body(scope, check, declared)
             if refusal is not None:
                 if _has_body(headers):
                     # The body was never read: closing the connection after the answer spares
@@ -309,9 +335,11 @@ class Edge:
                     await self.app(scope, limited_receive, edge_send)
         except BodyRefused as refused:
             if not response_started:
-                answer = self.errors.response(path, refused.status, refused.code, refused.message)
+                answer = self.errors.response(path, refused.status, refused.code, refused.message, refused.details)
                 await answer(scope, limited_receive, edge_send)
         finally:
+            if hold is not None:
+                await _closed(hold)
             if holds_slot:
                 self.inflight -= 1
             template = route.template if route is not None else self.route_template(scope)
@@ -345,16 +373,20 @@ class Edge:
             return settings.public_metrics
         return path in DOCS_PATHS and settings.public_docs
 
-    async def _checked_before_body(self, scope: Scope, check: BeforeBody, declared: bytes | None) -> Response | None:
+    async def _checked_before_body(
+        self, scope: Scope, check: BeforeBody, declared: bytes | None
+    ) -> tuple[Response | None, BodyHold | None]:
         """The answer to give instead of reading the body, when the path's check refuses
-        the caller's call at its declared size (None: it goes on)."""
+        the caller's call at its declared size (None: it goes on), and what the check holds
+        for the call (kept in the request's state as `body_hold` too)."""
         size = int(declared) if declared is not None and declared.isdigit() else None
         try:
-            await check(self.services(), scope["state"]["caller"], size)
+            hold = await check(self.services(), scope["state"]["caller"], size)
         except Exception as exc:
             answer = self.errors.of(scope["path"], scope["method"], exc)
-            return answer if answer is not None else self.errors.unexpected(scope["path"], scope["method"], exc)
-        return None
+            return answer if answer is not None else self.errors.unexpected(scope["path"], scope["method"], exc), None
+        scope["state"]["body_hold"] = hold
+        return None, hold
 
     async def _authenticate(
         self, scope: Scope, authorization: bytes | None, x_api_key: bytes | None = None

@@ -40,9 +40,9 @@ class BodyRefused(StarletteHTTPException):
     HTTPException, so FastAPI's body parsing passes it on as it is (it turns other errors
     while reading a body into a 400)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
         super().__init__(status, message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.details = status, code, message, details
 
 
 # A JSON body nested deeper than the parser's recursion limit (json.loads raises
@@ -209,7 +209,8 @@ def install_error_handlers(app: FastAPI, errors: ErrorRenderer) -> None:
         if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
             message = NESTED_TOO_DEEP  # FastAPI says only "There was an error parsing the body"
         headers = getattr(exc, "headers", None)
-        return errors.response(request.url.path, exc.status_code, code, message, None, headers)
+        details = exc.details if isinstance(exc, BodyRefused) else None
+        return errors.response(request.url.path, exc.status_code, code, message, details, headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -4,7 +4,8 @@ in constant time, never logged. Each key belongs to a tenant and has a role: `us
 (the API), `admin` (also manages its own tenant: its keys, settings and usage) or
 `operator` (manages every tenant and the deployment; `gateway keys create --operator`, and
 the local stack's own key). Through the API a tenant has at most TENANT_MAX_KEYS keys not
-revoked (403 `key_quota_exceeded` beyond); the operator's CLI is not limited.
+revoked (403 `key_quota_exceeded` beyond), each create reserved atomically beside the
+others in flight (gateway.server.tenants.reservations); the operator's CLI is not limited.
 
 Verified keys are cached (tenants/refreshing.py): a key verified before is answered from
 memory, and read again behind the callers once its entry is older than a few seconds, so
@@ -29,17 +30,22 @@ from typing import Any, Literal
 from cachetools import TTLCache
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
+from redis.asyncio import Redis
 
 from gateway.common.redis import RedisClients
 from gateway.protocol.redis_keys import KEYS_CHANNEL
 from gateway.server.errors import Forbidden
 from gateway.server.tenants.refreshing import RefreshingCache
+from gateway.server.tenants.reservations import Over, now_ms, reserve
 
 KEYS_COLLECTION = "api_keys"
 PREFIX = "tgw_"
 # Cached verifications: valid keys, and keys found unknown or revoked, apart.
 MAX_CACHED_KEYS = 10_000
 MAX_CACHED_MISSES = 10_000
+# The keys of a tenant being created now: they count against its TENANT_MAX_KEYS beside
+# those not revoked (gateway.server.tenants.reservations).
+RESERVATIONS_KEY = "keys:reserved:{{{tenant}}}"
 Role = Literal["user", "admin", "operator"]
 
 
@@ -103,19 +109,39 @@ class KeyStore:
         self._missing.clear()
 
     async def create(
-        self, tenant: str, role: Role = "user", name: str = "", *, max_keys: int = 0
+        self, tenant: str, role: Role = "user", name: str = "", *, max_keys: int = 0, redis: Redis | None = None
     ) -> tuple[KeyInfo, str]:
         """A new key; returns its info and the key itself (the only time it is seen).
-        Raises Forbidden (`key_quota_exceeded`) when the tenant already has max_keys keys
-        not revoked (0: no limit; keys made at the same moment may pass it together)."""
-        if max_keys:
-            live = await self.collection.count_documents({"tenant": tenant, "revoked": False})
+        Raises Forbidden (`key_quota_exceeded`) when the tenant has max_keys keys not
+        revoked (0: no limit), counting the keys being created now: each is reserved in
+        redis while it is stored, so keys made at the same moment cannot all pass it
+        (without redis it is only checked)."""
+        if not max_keys:
+            return await self._create(tenant, role, name)
+        counted_at_ms = now_ms()
+        live = await self.collection.count_documents({"tenant": tenant, "revoked": False})
+        if redis is None:
             if live >= max_keys:
-                raise Forbidden(
-                    "key_quota_exceeded",
-                    f"tenant {tenant} has {live} keys, its quota (TENANT_MAX_KEYS) is {max_keys}: revoke one first",
-                    details={"quota": "TENANT_MAX_KEYS", "limit": max_keys, "used": live},
-                )
+                raise _over_keys(tenant, max_keys, live)
+            return await self._create(tenant, role, name)
+        reserved = await reserve(
+            redis,
+            RESERVATIONS_KEY.format(tenant=tenant),
+            kept=live,
+            kept_bytes=0,
+            counted_at_ms=counted_at_ms,
+            size=0,
+            max_count=max_keys,
+            max_bytes=0,
+        )
+        if isinstance(reserved, Over):
+            raise _over_keys(tenant, max_keys, reserved.used)
+        try:
+            return await self._create(tenant, role, name)
+        finally:
+            await reserved.release()
+
+    async def _create(self, tenant: str, role: Role, name: str) -> tuple[KeyInfo, str]:
         key_id = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         info = KeyInfo(key_id, tenant, role, name, datetime.now(UTC))
@@ -179,6 +205,14 @@ class KeyStore:
         if result.matched_count == 1 and self.announce is not None:
             await self.announce(key_id)
         return result.matched_count == 1
+
+
+def _over_keys(tenant: str, max_keys: int, used: int) -> Forbidden:
+    return Forbidden(
+        "key_quota_exceeded",
+        f"tenant {tenant} has or is creating {used} keys, its quota (TENANT_MAX_KEYS) is {max_keys}: revoke one first",
+        details={"quota": "TENANT_MAX_KEYS", "limit": max_keys, "used": used},
+    )
 
 
 def _info(document: dict[str, Any]) -> KeyInfo:

@@ -11,10 +11,14 @@ cancelling -> cancelled. An invalid line goes to the error file and does not fai
 batch; a batch fails only when its input cannot be read at all (or its lines would take
 its tenant past TENANT_MAX_BATCH_LINES, or its validation never ended
 BATCH_MAX_VALIDATIONS times). A tenant has at most TENANT_MAX_ACTIVE_BATCHES batches not
-ended (429 active_batches_quota_exceeded beyond)."""
+ended (429 active_batches_quota_exceeded beyond), each create reserved atomically beside
+the others in flight (gateway.server.tenants.reservations): concurrent creates against a
+quota of N make N at most."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -25,6 +29,7 @@ from gateway.server.openai.files.batch_store import QUOTA_RETRY_AFTER_S, WINDOWS
 from gateway.server.openai.paging import listing
 from gateway.server.openai.schemas import BATCH_ENDPOINTS, BatchRequest, refuse_unsupported
 from gateway.server.services import Services, services
+from gateway.server.tenants.reservations import Over, now_ms, reserve
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -63,29 +68,46 @@ async def create_batch(body: BatchRequest, request: Request, who: Annotated[Call
         raise ApiError(
             400, "invalid_file", "the input file must have purpose batch", details={"param": "input_file_id"}
         )
-    await refuse_over_quota(svc, who.tenant)
-    document = await svc.batches.create(who.tenant, body)
+    async with batch_reserved(svc, who.tenant):
+        document = await svc.batches.create(who.tenant, body)
     svc.batch_runner.notice()
     return batch_object(document)
 
 
-async def refuse_over_quota(svc: Services, tenant: str) -> None:
-    """Refuse (429) a batch beyond the tenant's TENANT_MAX_ACTIVE_BATCHES not ended yet (0:
-    no limit): one that ends makes room. Batches created at the same moment may pass it
-    together."""
+# The batches of a tenant being created now: they count against its quota beside those
+# not ended (gateway.server.tenants.reservations).
+RESERVATIONS_KEY = "batches:reserved:{{{tenant}}}"
+
+
+@asynccontextmanager
+async def batch_reserved(svc: Services, tenant: str) -> AsyncIterator[None]:
+    """A batch reserved against the tenant's TENANT_MAX_ACTIVE_BATCHES (0: no limit) while
+    the block creates it, atomically beside the other creates in flight: 429 when it does
+    not fit beside the tenant's batches not ended (one that ends makes room)."""
     limit = svc.settings.tenant_max_active_batches
     if not limit:
+        yield
         return
     await svc.batches.prepare()
+    counted_at_ms = now_ms()
     active = await svc.batches.active(tenant)
-    if active >= limit:
+    key = RESERVATIONS_KEY.format(tenant=tenant)
+    reserved = await reserve(
+        svc.redis, key, kept=active, kept_bytes=0, counted_at_ms=counted_at_ms, size=0, max_count=limit, max_bytes=0
+    )
+    if isinstance(reserved, Over):
         raise ApiError(
             429,
             "active_batches_quota_exceeded",
-            f"tenant {tenant} has {active} batches not ended, its quota (TENANT_MAX_ACTIVE_BATCHES) is {limit}",
-            details={"quota": "TENANT_MAX_ACTIVE_BATCHES", "limit": limit, "used": active},
+            f"tenant {tenant} has or is creating {reserved.used} batches not ended, its quota "
+            f"(TENANT_MAX_ACTIVE_BATCHES) is {limit}",
+            details={"quota": "TENANT_MAX_ACTIVE_BATCHES", "limit": limit, "used": reserved.used},
             headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
         )
+    try:
+        yield
+    finally:
+        await reserved.release()
 
 
 @router.get("/batches/{batch_id}", summary="One batch (OpenAI)")

@@ -7,8 +7,12 @@ belongs to one tenant; another tenant gets 404. Uploads are limited to MAX_FILE_
 (413 beyond), and only purpose `batch` is taken (the Batch API is what files are for).
 A tenant keeps at most TENANT_MAX_FILES files of TENANT_MAX_FILE_BYTES bytes together
 (an upload past either: 403 file_count_quota_exceeded / file_bytes_quota_exceeded), the
-uploads being stored counted with them: each is reserved atomically in Redis while it is
-stored (upload_reserved), so concurrent uploads cannot all pass one quota.
+uploads being stored counted with them: each is reserved atomically in Redis before a
+byte of its body is read, for its declared size (UploadHold; 1 byte when it declares none),
+grown as its body arrives past that (decompressed: a gzip upload counts what it decodes
+to, and is refused once that passes the quota, not after it was spooled), settled to its
+file's size before it is stored and released once: stored, refused or abandoned. So
+concurrent uploads cannot all pass one quota, nor spool past it.
 
 Every file expires (its `expires_at`): an upload FILE_RETENTION_S (30 days) after it was
 made, or after OpenAI's `expires_after` (anchor `created_at`, one hour to 30 days); a
@@ -29,7 +33,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
-from gateway.server.api.errors import ApiError
+from gateway.server.api.errors import ApiError, BodyRefused
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.openai.files.store import (
     MAX_EXPIRES_AFTER_S,
@@ -40,7 +44,7 @@ from gateway.server.openai.files.store import (
 )
 from gateway.server.openai.paging import listing
 from gateway.server.services import Services, services
-from gateway.server.tenants.reservations import Over, Release, now_ms, reserve
+from gateway.server.tenants.reservations import Over, Reservation, now_ms, reserve
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +107,15 @@ async def upload_file(
                 f"most {limit} (BATCH_MAX_LINE_BYTES)",
                 details={"param": "file", "line": line, "limit": limit},
             )
-    async with upload_reserved(svc, who.tenant, size):  # its size as decoded and spooled
+    hold = getattr(request.state, "body_hold", None)
+    if not isinstance(hold, UploadHold):  # reserved before its body only by the edge's check
+        async with upload_reserved(svc, who.tenant, size):  # its size as decoded and spooled
+            return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
+    await hold.settle(size)
+    try:
         return await svc.files.put(who.tenant, label(file.filename), purpose, file.file, expires_after_s=seconds)
+    finally:
+        await hold.close()  # stored (it counts now) or not; the edge's close does nothing then
 
 
 # What an upload's multipart framing (boundaries, part headers, the form's other fields)
@@ -112,12 +123,59 @@ async def upload_file(
 UPLOAD_FRAMING = 1 << 20
 
 
-async def before_upload(svc: Services, who: Caller, declared: int | None) -> None:
-    """POST /v1/files before a byte of its body is read (the edge calls it): an upload
-    whose declared size, less its framing, would take the tenant past its file quota is
-    refused then, not after the gateway spooled it (checked again on the file's own size)."""
-    size = max(1, declared - UPLOAD_FRAMING) if declared is not None else 1
-    await refuse_over_quota(svc, who.tenant, size)
+# What an upload's body is taken to hold besides its file when it is reserved: its
+# multipart boundaries, part headers and the form's purpose field take a few hundred bytes.
+# An upload is reserved for its body's size less this, and grows once its body passes it.
+RESERVED_FRAMING = 4096
+# An upload's reservation grows at least this much at a time as its body arrives (fewer
+# calls to Redis), unless only less fits.
+GROWTH_STEP = 1 << 20
+
+
+async def before_upload(svc: Services, who: Caller, declared: int | None) -> UploadHold | None:
+    """POST /v1/files before a byte of its body is read (the edge calls it): the upload
+    reserved against the tenant's file quota for its declared size, less its framing (1
+    byte when it declares none, as a chunked upload does), or refused 403 then, not after
+    the gateway spooled it. None when the tenant's files have no quota."""
+    settings = svc.settings
+    if not settings.tenant_max_files and not settings.tenant_max_file_bytes:
+        return None
+    size = max(1, declared - RESERVED_FRAMING) if declared is not None else 1
+    return UploadHold(svc, who.tenant, await reserve_upload(svc, who.tenant, size))
+
+
+class UploadHold:
+    """An upload's reservation, made before its body is read (the edge's BodyHold): grown
+    as the body arrives past it (counted decompressed, so a small gzip body that decodes
+    large is refused as soon as what it decoded passes the quota), settled to the file's
+    own size before it is stored, and released once, however the call ends."""
+
+    def __init__(self, svc: Services, tenant: str, reservation: Reservation) -> None:
+        self.svc, self.tenant, self.reservation = svc, tenant, reservation
+
+    async def arrived(self, size: int) -> None:
+        """The body has brought size bytes so far (decompressed): BodyRefused 403 when the
+        file they hold cannot be reserved."""
+        needed = size - RESERVED_FRAMING
+        held = self.reservation.size
+        if needed <= held:
+            return
+        over = await self.reservation.resize(min(max(needed, held + GROWTH_STEP), self.svc.settings.max_file_bytes))
+        if over is not None and needed < self.svc.settings.max_file_bytes:
+            over = await self.reservation.resize(needed)  # all that is left, perhaps
+        if over is not None:
+            code, message, details = _refusal(self.svc, self.tenant, over)
+            raise BodyRefused(403, code, message, details)
+
+    async def settle(self, size: int) -> None:
+        """Hold the file's own size (its body spooled): ApiError 403 when it does not fit."""
+        over = await self.reservation.resize(size)
+        if over is not None:
+            code, message, details = _refusal(self.svc, self.tenant, over)
+            raise ApiError(403, code, message, details=details)
+
+    async def close(self) -> None:
+        await self.reservation.release()
 
 
 # The uploads of a tenant being stored: what counts against its quota besides the files
@@ -125,68 +183,73 @@ async def before_upload(svc: Services, who: Caller, declared: int | None) -> Non
 RESERVATIONS_KEY = "uploads:reserved:{{{tenant}}}"
 
 
-async def refuse_over_quota(svc: Services, tenant: str, size: int) -> None:
-    """Refuse (403) an upload of size bytes that would take the tenant past what it may
-    store, counting the uploads being stored now (a check: nothing is reserved)."""
-    release = await reserve_upload(svc, tenant, size)
-    await release()
-
-
 @asynccontextmanager
 async def upload_reserved(svc: Services, tenant: str, size: int) -> AsyncIterator[None]:
     """An upload of size bytes reserved against the tenant's quota while the block stores it
     (refused 403 if it does not fit beside the files and the other reservations), released
-    when the block ends, however: concurrent uploads cannot all pass one quota."""
-    release = await reserve_upload(svc, tenant, size)
+    when the block ends, however: concurrent uploads cannot all pass one quota. (An upload
+    the edge reserved before its body has its UploadHold instead.)"""
+    if not svc.settings.tenant_max_files and not svc.settings.tenant_max_file_bytes:
+        yield
+        return
+    reservation = await reserve_upload(svc, tenant, size)
     try:
         yield
     finally:
-        await release()
+        await reservation.release()
 
 
-async def reserve_upload(svc: Services, tenant: str, size: int) -> Release:
+async def reserve_upload(svc: Services, tenant: str, size: int) -> Reservation:
     """Reserve size bytes and a file of the tenant's quota (TENANT_MAX_FILES,
-    TENANT_MAX_FILE_BYTES; 0: no limit; a batch's output files count too), atomically
-    beside the other uploads' reservations; ApiError 403 if it does not fit. Returns its
-    release."""
+    TENANT_MAX_FILE_BYTES, at least one of them set; a batch's output files count too),
+    atomically beside the other uploads' reservations; ApiError 403 if it does not fit."""
     settings = svc.settings
-    max_files, max_bytes = settings.tenant_max_files, settings.tenant_max_file_bytes
 
-    async def nothing() -> None:
-        return None
+    async def usage() -> tuple[int, int]:
+        return await svc.files.usage(tenant)
 
-    if not max_files and not max_bytes:
-        return nothing
     counted_at_ms = now_ms()
-    count, used = await svc.files.usage(tenant)
-    key = RESERVATIONS_KEY.format(tenant=tenant)
+    count, used = await usage()
     reserved = await reserve(
         svc.redis,
-        key,
+        RESERVATIONS_KEY.format(tenant=tenant),
         kept=count,
         kept_bytes=used,
         counted_at_ms=counted_at_ms,
         size=size,
-        max_count=max_files,
-        max_bytes=max_bytes,
+        max_count=settings.tenant_max_files,
+        max_bytes=settings.tenant_max_file_bytes,
+        recount=usage,
     )
-    if isinstance(reserved, Over) and reserved.kind == "count":
-        raise ApiError(
-            403,
-            "file_count_quota_exceeded",
-            f"tenant {tenant} keeps or is storing {reserved.used} files, its quota (TENANT_MAX_FILES) is "
-            f"{max_files}: delete some first",
-            details={"quota": "TENANT_MAX_FILES", "limit": max_files, "used": reserved.used},
-        )
     if isinstance(reserved, Over):
-        raise ApiError(
-            403,
-            "file_bytes_quota_exceeded",
-            f"tenant {tenant} keeps or is storing {reserved.used} bytes of files, this file would take it past its "
-            f"quota (TENANT_MAX_FILE_BYTES) of {max_bytes}: delete some first",
-            details={"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": reserved.used},
-        )
+        code, message, details = _refusal(svc, tenant, reserved)
+        raise ApiError(403, code, message, details=details)
     return reserved
+
+
+def _refusal(svc: Services, tenant: str, over: Over) -> tuple[str, str, dict[str, Any]]:
+    """The code, message and details of an upload refused past its tenant's file quota."""
+    if over.kind == "count":
+        max_files = svc.settings.tenant_max_files
+        message = (
+            f"tenant {tenant} keeps or is storing {over.used} files, its quota (TENANT_MAX_FILES) is "
+            f"{max_files}: delete some first"
+        )
+        return (
+            "file_count_quota_exceeded",
+            message,
+            {"quota": "TENANT_MAX_FILES", "limit": max_files, "used": over.used},
+        )
+    max_bytes = svc.settings.tenant_max_file_bytes
+    message = (
+        f"tenant {tenant} keeps or is storing {over.used} bytes of files, this file would take it past its "
+        f"quota (TENANT_MAX_FILE_BYTES) of {max_bytes}: delete some first"
+    )
+    return (
+        "file_bytes_quota_exceeded",
+        message,
+        {"quota": "TENANT_MAX_FILE_BYTES", "limit": max_bytes, "used": over.used},
+    )
 
 
 def label(filename: str | None) -> str:

@@ -1,0 +1,37 @@
+"""The API key quota is atomic: each key an admin creates through the API is reserved
+against TENANT_MAX_KEYS beside the keys not revoked and every other create in flight, so
+12 concurrent creates against a quota of 3 make 3 (the others 403 key_quota_exceeded)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import AUTH
+
+MOST = 3
+
+
+@pytest.fixture(scope="module")
+def capped(stack) -> Iterator[str]:
+    process, url = stack.start_gateway("gateway-key-quota", TENANT_MAX_KEYS=str(MOST))
+    yield url
+    stack.stop(process)
+
+
+async def test_concurrent_key_creates_cannot_all_pass_the_key_quota(stack, capped) -> None:
+    # Before: each create counted the keys not revoked, then inserted one; all 12 counted 0.
+    tenant = f"tenant-key-race-{time.time_ns()}"
+    async with httpx.AsyncClient(base_url=capped, headers=AUTH, timeout=60) as operator:
+        answers = await asyncio.gather(*(operator.post("/admin/keys", json={"tenant": tenant}) for _ in range(12)))
+        listed = (await operator.get("/admin/keys", params={"tenant": tenant})).json()["keys"]
+    made = [a for a in answers if a.status_code == 201]
+    refused = [a for a in answers if a.status_code != 201]
+    assert len(made) == MOST, [a.text for a in answers]
+    assert all(a.status_code == 403 for a in refused), [a.text for a in refused]
+    assert all(a.json()["error"]["code"] == "key_quota_exceeded" for a in refused)
+    assert len([k for k in listed if not k["revoked"]]) == MOST
