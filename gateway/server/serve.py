@@ -1,4 +1,4 @@
-"""Serving the app with uvicorn: one process, or `workers` processes sharing the port.
+"""Serving the app with uvicorn: one process, or `workers` processes on the port (workers.py).
 
 uvicorn (httptools) has no limit on how long a client may take to send its request
 headers, nor on how large they may be: a connection that trickles (or never finishes)
@@ -14,9 +14,11 @@ import functools
 import json
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.server.settings import GatewaySettings
+from gateway.server.workers import OwnSocketProcesses
 
 
 @functools.cache
@@ -135,12 +137,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
 
 def serve(settings: GatewaySettings, workers: int = 1) -> None:
-    uvicorn.run(
+    config = uvicorn.Config(
         "gateway.server.app:create_app",
         factory=True,
         host=settings.host,
         port=settings.port,
-        workers=workers if workers > 1 else None,
+        workers=workers,
         http="gateway.server.serve:LimitedHttpProtocol",
         # REQUEST_COUNTS counts loop iterations through the pure-Python loop's hooks.
         loop="asyncio" if settings.request_counts else "auto",
@@ -159,3 +161,10 @@ def serve(settings: GatewaySettings, workers: int = 1) -> None:
         log_level=settings.log_level.lower(),
         access_log=False,
     )
+    if workers > 1:
+        OwnSocketProcesses(config).run()  # a socket each, so that a burst spreads over them
+        return
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        raise SystemExit(STARTUP_FAILURE)
