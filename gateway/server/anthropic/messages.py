@@ -60,7 +60,7 @@ from gateway.server.api.tenancy import Caller, caller
 from gateway.server.calls import requests as call_requests
 from gateway.server.calls import run, terms
 from gateway.server.calls.requests import LlmCall
-from gateway.server.calls.terms import ChatPlan, refuse_unsupported, unsupported
+from gateway.server.calls.terms import ChatPlan, invalid, refuse_unsupported, unsupported, warning
 from gateway.server.llm import tools as toolcalls
 from gateway.server.models import InvalidInput, ModelAdapter
 from gateway.server.models.tokenize_pool import off_the_loop_if_long
@@ -93,10 +93,6 @@ def anthropic_version(request: Request) -> str:
 router = APIRouter(prefix="/v1", tags=["Anthropic"], dependencies=[Depends(anthropic_version)])
 
 
-def _invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, "invalid_request", f"{param}: {message}", details={"param": param})
-
-
 def _text_of(blocks: list[ContentBlock], where: str) -> str:
     """The text of a list of blocks that may hold text only."""
     parts = []
@@ -106,7 +102,7 @@ def _text_of(blocks: list[ContentBlock], where: str) -> str:
                 f"{where}[{index}].type", f"content blocks of type {block.type} are not supported here: text only"
             )
         if block.text is None:
-            raise _invalid(f"{where}[{index}].text", "a text block needs its text")
+            raise invalid(f"{where}[{index}].text", "a text block needs its text")
         parts.append(block.text)
     return "\n".join(parts)
 
@@ -129,20 +125,20 @@ def _message(role: str, blocks: list[ContentBlock], where: str) -> list[dict[str
             raise unsupported(f"{param}.type", f"a system message holds text blocks, not {block.type}")
         if block.type == "text":
             if block.text is None:
-                raise _invalid(f"{param}.text", "a text block needs its text")
+                raise invalid(f"{param}.text", "a text block needs its text")
             texts.append(block.text)
         elif block.type == "tool_use":
             if role != "assistant":
-                raise _invalid(f"{param}.type", "tool_use blocks are the assistant's")
+                raise invalid(f"{param}.type", "tool_use blocks are the assistant's")
             if block.id is None or block.name is None:
-                raise _invalid(param, "a tool_use block needs its id and name")
+                raise invalid(param, "a tool_use block needs its id and name")
             arguments = json.dumps(block.input or {}, ensure_ascii=False)
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif block.type == "tool_result":
             if role != "user":
-                raise _invalid(f"{param}.type", "tool_result blocks are the user's")
+                raise invalid(f"{param}.type", "tool_result blocks are the user's")
             if block.tool_use_id is None:
-                raise _invalid(f"{param}.tool_use_id", "a tool_result block needs the tool_use_id it answers")
+                raise invalid(f"{param}.tool_use_id", "a tool_result block needs the tool_use_id it answers")
             content = block.content if isinstance(block.content, str) else None
             if isinstance(block.content, list):
                 content = _text_of(block.content, f"{param}.content")
@@ -165,10 +161,10 @@ def _message(role: str, blocks: list[ContentBlock], where: str) -> list[dict[str
         return [{"role": "system", "content": text}] if text else []
     if role == "assistant":
         if not text and not calls:
-            raise _invalid(f"{where}.content", "an assistant message needs text or tool_use blocks")
+            raise invalid(f"{where}.content", "an assistant message needs text or tool_use blocks")
         return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
     if not text and not results:
-        raise _invalid(f"{where}.content", "a user message needs text or tool_result blocks")
+        raise invalid(f"{where}.content", "a user message needs text or tool_result blocks")
     return [*results, *([{"role": "user", "content": text}] if text else [])]
 
 
@@ -186,7 +182,7 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             found += _message(message.role, message.content, where)
     spoken = [index for index, message in enumerate(body.messages) if message.role != "system"]
     if not spoken:
-        raise _invalid("messages", "the messages need a user message, not system text alone")
+        raise invalid("messages", "the messages need a user message, not system text alone")
     if body.messages[spoken[-1]].role == "assistant":
         raise unsupported(
             f"messages[{spoken[-1]}].role",
@@ -219,13 +215,6 @@ def ignored(body: CountTokensRequest) -> list[str]:
     return found
 
 
-def warning(names: list[str]) -> dict[str, str]:
-    """RFC 9111's Warning header (299: a persistent warning) naming what was not applied."""
-    if not names:
-        return {}
-    return {"warning": f'299 - "accepted and not applied: {", ".join(names)} (these models do not reason)"'}
-
-
 def call_of(body: CountTokensRequest, svc: Services, seed_key: str | None = None) -> tuple[LlmCall, ModelAdapter]:
     """The core's call an Anthropic call is, and the model it names."""
     found = chat_messages(body)  # (blocks by their type first)
@@ -248,7 +237,7 @@ def call_of(body: CountTokensRequest, svc: Services, seed_key: str | None = None
                 "(name, description, input_schema)",
             )
         if tool.input_schema is None:
-            raise _invalid(f"tools[{index}].input_schema", "a tool needs its input_schema")
+            raise invalid(f"tools[{index}].input_schema", "a tool needs its input_schema")
         function = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description
@@ -259,7 +248,7 @@ def call_of(body: CountTokensRequest, svc: Services, seed_key: str | None = None
     if choice is not None:
         if choice.type == "tool":
             if choice.name is None:
-                raise _invalid("tool_choice.name", "tool_choice of type tool names the tool")
+                raise invalid("tool_choice.name", "tool_choice of type tool names the tool")
             mode, named = "named", choice.name
         else:
             mode = {"auto": "auto", "any": "required", "none": "none"}[choice.type]

@@ -1,6 +1,7 @@
 """A call in the gateway's terms, whichever API it came by: the fields of a body (each
-honoured or refused by name), the chat messages as the engine adapter takes them, the tier
-it runs in, and its plan (the tools offered, a forced call, how the output is read)."""
+honoured or refused by name; a Warning header naming those accepted and not applied), the
+chat messages as the engine adapter takes them, the tier it runs in, and its plan (the
+tools offered, a forced call, how the output is read)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,13 @@ def unsupported(param: str, message: str) -> ApiError:
 
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, "invalid_request", f"{param}: {message}", details={"param": param})
+
+
+def warning(names: list[str]) -> dict[str, str]:
+    """RFC 9111's Warning header (299: a persistent warning) naming what was not applied."""
+    if not names:
+        return {}
+    return {"warning": f'299 - "accepted and not applied: {", ".join(names)} (these models do not reason)"'}
 
 
 # -- messages -------------------------------------------------------------------------------

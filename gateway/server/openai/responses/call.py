@@ -165,13 +165,6 @@ def ignored(body: ResponseRequest) -> list[str]:
     return found
 
 
-def warning(names: list[str]) -> dict[str, str]:
-    """RFC 9111's Warning header (299: a persistent warning) naming what was not applied."""
-    if not names:
-        return {}
-    return {"warning": f'299 - "accepted and not applied: {", ".join(names)} (these models do not reason)"'}
-
-
 class Call:
     """A create call as the gateway runs it: the request, what the response echoes, its
     input items and the chain before it."""

@@ -17,8 +17,9 @@ from gateway.server.api.sse import EventStream
 from gateway.server.api.tenancy import Caller, caller
 from gateway.server.calls import requests as call_requests
 from gateway.server.calls import run, terms
+from gateway.server.calls.terms import warning
 from gateway.server.openai.paging import ItemsPage, page_after
-from gateway.server.openai.responses.call import keep, response_call, warning
+from gateway.server.openai.responses.call import keep, response_call
 from gateway.server.openai.responses.chains import (
     chain_items,
     conversation_items,
