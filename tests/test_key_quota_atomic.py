@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from gateway.server.errors import Forbidden
+from gateway.server.tenants.keys import KeyStore
 from tests.conftest import AUTH
 
 MOST = 3
@@ -35,3 +37,17 @@ async def test_concurrent_key_creates_cannot_all_pass_the_key_quota(stack, cappe
     assert all(a.status_code == 403 for a in refused), [a.text for a in refused]
     assert all(a.json()["error"]["code"] == "key_quota_exceeded" for a in refused)
     assert len([k for k in listed if not k["revoked"]]) == MOST
+
+
+async def test_concurrent_creates_in_the_key_store_cannot_all_pass_the_key_quota(stack, mongo, redis) -> None:
+    # The store on its own, its creates all begun at once: without the reservation each
+    # counted the keys not revoked before any was inserted, and all 12 passed.
+    keys = KeyStore(mongo, f"key_quota_{time.time_ns()}", cache_s=0)
+    tenant = f"tenant-key-store-race-{time.time_ns()}"
+    answers = await asyncio.gather(
+        *(keys.create(tenant, max_keys=MOST, redis=redis) for _ in range(12)), return_exceptions=True
+    )
+    made = [a for a in answers if isinstance(a, tuple)]
+    refused = [a for a in answers if isinstance(a, Forbidden)]
+    assert len(made) == MOST and len(refused) == 12 - MOST, answers
+    assert len([k for k in await keys.list(tenant) if not k.revoked]) == MOST
