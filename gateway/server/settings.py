@@ -66,9 +66,10 @@ class GatewaySettings(ServiceSettings):
     # Long inputs' validation and tokenization (over 8,192 characters of text): threads of
     # their own, jobs waiting for one (503 tokenizer_busy beyond), and one tenant's share of
     # the two together, at least one (429 tenant_share_exceeded beyond;
-    # gateway.server.models.tokenize_pool).
+    # gateway.server.models.tokenize_pool). 128 waiting, so a tenant's share (33) holds
+    # 16 concurrent 256-input embeddings calls, which the H200 bench saw refused at 32.
     tokenize_threads: int = Field(default=2, ge=1)
-    tokenize_queue: int = Field(default=32, ge=0)
+    tokenize_queue: int = Field(default=128, ge=0)
     tenant_tokenize_share: float = Field(default=0.25, gt=0, le=1)
 
     # -- Files and batches (OpenAI's Files and Batch APIs) -----------------------------
