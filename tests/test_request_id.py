@@ -118,7 +118,9 @@ class Receiver:
 def traced(stack) -> Iterator[dict[str, Any]]:
     """A gateway and a binder on a Redis database of their own, logging JSON."""
     env = {"REDIS_URL": stack.redis_db_url(TRACED_DB), "LOG_FORMAT": "json"}
-    gateway, gateway_url = stack.start_gateway("gateway-traced", **env)
+    # DEBUG: the run's own lines (the spine's deliver stage) are below INFO, where the
+    # access line is a request's only one.
+    gateway, gateway_url = stack.start_gateway("gateway-traced", LOG_LEVEL="DEBUG", **env)
     binder, binder_url = stack.start_binder("binder-traced", LOG_LEVEL="DEBUG", **env)
     logs = stack.data_dir / "logs"
     yield {
