@@ -305,7 +305,7 @@ class _HeldSearch(SearchService):
         self.go = asyncio.Event()
         self.embedding: list[str] = []
 
-    async def embed(self, adapter: object, raw_inputs: dict[str, str | None]) -> list[float]:
+    async def embed(self, adapter: object, raw_inputs: dict[str, str | None], tenant: str | None) -> list[float]:
         self.embedding.append(str(raw_inputs["text"]))
         await self.go.wait()
         return [0.0]
