@@ -1,13 +1,17 @@
-"""Overload shed at the edge, against a gateway process of its own with
-MAX_INFLIGHT_REQUESTS=2: while two requests are begun and not answered, a third is 503
+"""Overload shed at the edge, against a gateway process of its own: with
+MAX_INFLIGHT_REQUESTS=2, while two requests are begun and not answered, a third is 503
 `overloaded` with Retry-After at once (nothing of it read, its key not checked), health
-and metrics are still served, and once the two have gone a request is served again."""
+and metrics are still served, and once the two have gone a request is served again; with
+a small MAX_LOOP_LAG_S, a process whose loop runs behind sheds the same way."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -86,4 +90,45 @@ async def test_long_polls_waiting_are_not_counted_as_work_in_flight(stack) -> No
             for poll in polls:
                 assert (await poll).status_code == 200
     finally:
+        stack.stop(process)
+
+
+async def _infer_on_a_connection_of_its_own(url: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as client:
+        return await client.post("/infer", json=body)
+
+
+async def test_a_process_whose_loop_runs_behind_sheds_new_requests_with_503_overloaded(stack) -> None:
+    """A process starved of its loop's time (here stopped for two seconds, as a small
+    machine's CPU-bound Triton starves it: bench/overload_wait.py) runs behind by more than
+    MAX_LOOP_LAG_S: the requests that queued meanwhile are refused 503 `overloaded` with
+    Retry-After at once rather than each waiting its turn, and once it has caught up a
+    request is served again. On 7904e6b every one of them was served, late."""
+    process, url = stack.start_gateway("gateway-overload-lag", GATEWAY_WORKERS="1", MAX_LOOP_LAG_S="0.05")
+    body = {"model": "llm_echo", "inputs": {"text_input": "behind", "max_tokens": 1}}
+    pid = process.pid
+    assert pid is not None
+    try:
+        assert (await _infer_on_a_connection_of_its_own(url, body)).status_code == 202
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # Connections queue in the kernel while the process is stopped: what it will
+            # find waiting when it runs again. The stop itself is the hostile input.
+            calls = [asyncio.create_task(_infer_on_a_connection_of_its_own(url, body)) for _ in range(8)]
+            await asyncio.sleep(2.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        answers = await asyncio.gather(*calls)
+        refused = [a for a in answers if a.status_code == 503]
+        assert refused, [a.status_code for a in answers]
+        assert all(a.json()["error"]["code"] == "overloaded" for a in refused)
+        assert all(a.headers["retry-after"] == "1" for a in refused)
+        assert "behind" in refused[0].json()["error"]["message"]
+        deadline = time.monotonic() + 60
+        while (served := await _infer_on_a_connection_of_its_own(url, body)).status_code == 503:
+            assert time.monotonic() < deadline, "still shedding a minute after it ran again"
+            await asyncio.sleep(0.05)
+        assert served.status_code == 202, served.text
+    finally:
+        os.kill(pid, signal.SIGCONT)
         stack.stop(process)

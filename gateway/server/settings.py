@@ -38,6 +38,11 @@ class GatewaySettings(ServiceSettings):
     # metrics aside (503 overloaded, with Retry-After, at once beyond; 0: no limit). A
     # stream counts until its headers go out, a long poll until it answers.
     max_inflight_requests: int = Field(default=4096, ge=0)
+    # How far behind its event loop may run (the loop probe's smoothed wall-clock
+    # lateness: its own work or CPU the OS gives others) before the process sheds new
+    # requests as it does past MAX_INFLIGHT_REQUESTS (0: never): a process that far
+    # behind cannot serve more, and a refusal costs it a fraction of a served request.
+    max_loop_lag_s: float = Field(default=1.0, ge=0)
     # Pixels an image input may declare (width x height, read from its header before
     # anything decodes it): more is 422 image_too_large.
     max_image_pixels: int = Field(default=50_000_000, gt=0)

@@ -16,9 +16,10 @@
   first MiB (MAX_COMPRESSION_RATIO), a large chunk decoded in a worker thread
   (gateway.server.api.content_encoding); a JSON body's values are counted as it arrives
   (MAX_JSON_VALUES: what json.loads would spend the loop's time on);
-- sheds load: past MAX_INFLIGHT_REQUESTS requests begun and not yet answering, a new one
-  is 503 `overloaded` with Retry-After at once, before its key is checked (health and
-  metrics exempt);
+- sheds load: past MAX_INFLIGHT_REQUESTS requests begun and not yet answering, or while
+  the event loop runs more than MAX_LOOP_LAG_S behind (gateway.server.api.loop_probe), a
+  new one is 503 `overloaded` with Retry-After at once, before its key is checked (health
+  and metrics exempt);
 - adds the headers the calls made for the caller left (x-ratelimit-*);
 - counts it by route template, method and status, times it, and logs one access line;
 - and serves the hot routes, POST /infer and GET /results/<id>, itself
@@ -98,6 +99,7 @@ class _Limits:
         self.frames = settings.max_compressed_frames
         self.json_values = settings.max_json_values
         self.inflight = settings.max_inflight_requests
+        self.loop_lag = settings.max_loop_lag_s
         self.retry_after = str(settings.retry_after_s)
 
 
@@ -302,11 +304,16 @@ class Edge:
             await send(message)
 
         try:
-            if path not in QUIET_PATHS and limits.inflight:
+            if path not in QUIET_PATHS:
                 # A long poll holds a place of the event hub's pool, which bounds it by
                 # tenant: it is no work in flight, and no tenant's polls shed another's calls.
-                if self.inflight - self.long_polls() >= limits.inflight:
-                    await self._shed(scope, limits, headers, limited_receive, edge_send)
+                if limits.inflight and self.inflight - self.long_polls() >= limits.inflight:
+                    message = f"this gateway process is serving {limits.inflight} requests, its most"
+                    await self._shed(scope, limits, headers, limited_receive, edge_send, message)
+                    return
+                if limits.loop_lag and self.probe.lag > limits.loop_lag:
+                    message = f"this gateway process runs {self.probe.lag * 1000:.0f} ms behind"
+                    await self._shed(scope, limits, headers, limited_receive, edge_send, message)
                     return
                 self.inflight += 1
                 holds_slot = True
@@ -354,15 +361,14 @@ class Edge:
                 untrace()
 
     async def _shed(
-        self, scope: Scope, limits: _Limits, headers: dict[bytes, bytes], receive: Receive, send: Send
+        self, scope: Scope, limits: _Limits, headers: dict[bytes, bytes], receive: Receive, send: Send, why: str
     ) -> None:
         """503 overloaded at once: nothing read, nothing checked (the answer costs less than
         the key's check would), so what the process has begun finishes sooner."""
         retry = {"Retry-After": limits.retry_after}
         if _has_body(headers):
             retry["connection"] = "close"
-        message = f"this gateway process is serving {limits.inflight} requests, its most: try again shortly"
-        answer = self.errors.response(scope["path"], 503, "overloaded", message, None, retry)
+        answer = self.errors.response(scope["path"], 503, "overloaded", f"{why}: try again shortly", None, retry)
         await answer(scope, receive, send)
 
     def public(self, path: str, settings: GatewaySettings) -> bool:
