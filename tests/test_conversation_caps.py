@@ -9,16 +9,24 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.bounds import Watch
 from tests.test_tenants import client_for, new_key, set_tenant
 
 MOST = 3
 
 
 @pytest.fixture(scope="module")
-def capped(stack) -> Iterator[str]:
+def capped_gateway(stack) -> Iterator[tuple[str, int]]:
+    """The gateway's URL and pid (its loop's pauses and memory are read while the test sends)."""
     process, url = stack.start_gateway("gateway-conversation-caps", TENANT_MAX_CONVERSATIONS=str(MOST))
-    yield url
+    assert process.pid is not None
+    yield url, process.pid
     stack.stop(process)
+
+
+@pytest.fixture(scope="module")
+def capped(capped_gateway: tuple[str, int]) -> str:
+    return capped_gateway[0]
 
 
 async def test_a_tenant_keeps_at_most_its_conversations_and_a_delete_makes_room(stack, capped) -> None:
@@ -47,9 +55,12 @@ async def test_creating_and_updating_a_conversation_count_against_requests_per_m
     assert (third.status_code, fourth.status_code) == (429, 429), (third.text, fourth.text)
 
 
-async def test_concurrent_creates_cannot_all_pass_the_conversation_quota(stack, capped) -> None:
+async def test_concurrent_creates_cannot_all_pass_the_conversation_quota(stack, capped_gateway) -> None:
+    capped, pid = capped_gateway
     async with client_for(stack, await new_key(stack, "tenant-conversation-race"), url=capped) as client:
-        answers = await asyncio.gather(*(client.post("/v1/conversations", json={}) for _ in range(12)))
+        with Watch(capped, pid) as seen:
+            answers = await asyncio.gather(*(client.post("/v1/conversations", json={}) for _ in range(12)))
+        assert seen.pauses == 0 and seen.grown < 100 << 20, seen
     made = [a for a in answers if a.status_code == 200]
     refused = [a for a in answers if a.status_code == 403]
     assert len(made) == MOST and len(refused) == 12 - MOST, [a.text for a in answers]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.bounds import Watch
 from tests.test_tenants import client_for, new_key
 
 QUOTA = 5 * (1 << 20)
@@ -22,20 +23,30 @@ FILE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "bo
 
 
 @pytest.fixture(scope="module")
-def small_quota(stack) -> Iterator[str]:
+def small_quota_gateway(stack) -> Iterator[tuple[str, int]]:
+    """The gateway's URL and pid (its loop's pauses and memory are read while the test sends)."""
     process, url = stack.start_gateway("gateway-upload-quota", TENANT_MAX_FILE_BYTES=str(QUOTA))
-    yield url
+    assert process.pid is not None
+    yield url, process.pid
     stack.stop(process)
+
+
+@pytest.fixture(scope="module")
+def small_quota(small_quota_gateway: tuple[str, int]) -> str:
+    return small_quota_gateway[0]
 
 
 async def upload(client: httpx.AsyncClient) -> httpx.Response:
     return await client.post("/v1/files", files={"file": ("in.jsonl", FILE)}, data={"purpose": "batch"})
 
 
-async def test_twenty_concurrent_uploads_cannot_all_pass_a_small_quota(stack, small_quota) -> None:
+async def test_twenty_concurrent_uploads_cannot_all_pass_a_small_quota(stack, small_quota_gateway) -> None:
     assert len(FILE) <= 1 << 20
+    small_quota, pid = small_quota_gateway
     async with client_for(stack, await new_key(stack, "tenant-upload-race"), url=small_quota) as client:
-        answers = await asyncio.gather(*(upload(client) for _ in range(20)))
+        with Watch(small_quota, pid) as seen:
+            answers = await asyncio.gather(*(upload(client) for _ in range(20)))
+        assert seen.pauses == 0 and seen.grown < 100 << 20, seen
         stored = [a.json() for a in answers if a.status_code == 200]
         refused = [a for a in answers if a.status_code != 200]
         assert all(a.status_code == 403 for a in refused), [a.text for a in refused]
