@@ -177,22 +177,14 @@ def main() -> None:
     parser.add_argument("--files", action="store_true", help="list the files, with their lines and the lines run")
     args = parser.parse_args()
 
-    from gateway.stack.process import free_port
     from gateway.stack.settings import StackSettings
     from gateway.stack.stack import LocalStack
     from gateway.stack.weights import build_tiny_clip, build_tiny_gpt2
 
     with tempfile.TemporaryDirectory(prefix="footprint-") as tmp:
         root = Path(tmp)
-        settings = StackSettings(
+        settings = StackSettings.on_free_ports(
             data_dir=root / "stack",
-            triton_http_port=free_port(),
-            triton_grpc_port=free_port(),
-            triton_metrics_port=free_port(),
-            redis_port=free_port(),
-            mongo_port=free_port(),
-            gateway_port=free_port(),
-            binder_port=free_port(),
             llm_model=str(build_tiny_gpt2(root / "tiny-gpt2")),
             clip_model=str(build_tiny_clip(root / "tiny-clip")),
             allow_downloads=False,

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.stack import services
-from gateway.stack.process import free_port
 from gateway.stack.settings import StackSettings
 from gateway.stack.stack import LocalStack
 
@@ -33,15 +32,8 @@ class Endpoints:
 def local_stack(
     data_dir: Path = ROOT / ".stack-bench", gateway_workers: int = 1, **service_env: str
 ) -> Iterator[Endpoints]:
-    settings = StackSettings(
+    settings = StackSettings.on_free_ports(
         data_dir=data_dir,
-        triton_http_port=free_port(),
-        triton_grpc_port=free_port(),
-        triton_metrics_port=free_port(),
-        redis_port=free_port(),
-        mongo_port=free_port(),
-        gateway_port=free_port(),
-        binder_port=free_port(),
         allow_downloads=False,
         gateway_workers=gateway_workers,
     )

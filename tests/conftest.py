@@ -242,15 +242,8 @@ def kill_by_pid(process: ManagedProcess) -> None:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Stack]:
     data_dir = tmp_path_factory.mktemp("stack")
-    settings = StackSettings(
+    settings = StackSettings.on_free_ports(
         data_dir=data_dir,
-        triton_http_port=free_port(),
-        triton_grpc_port=free_port(),
-        triton_metrics_port=free_port(),
-        redis_port=free_port(),
-        mongo_port=free_port(),
-        gateway_port=free_port(),
-        binder_port=free_port(),
         llm_model=str(tiny_models["gpt2"]),
         clip_model=str(tiny_models["clip"]),
         allow_downloads=False,

@@ -25,7 +25,7 @@ import redis
 from gateway.stack.owners import TAG_ENV, TRITON_SHM_PREFIX, owned_processes
 from gateway.stack.process import free_port, port_is_free
 from gateway.stack.services import binder_spec, gateway_spec
-from gateway.stack.settings import GIB, StackSettings, redis_maxmemory
+from gateway.stack.settings import GIB, PORTS, StackSettings, redis_maxmemory
 from gateway.stack.stack import LocalStack
 
 # The console script, as the Makefile's `up` target runs it.
@@ -47,16 +47,7 @@ def _up_command(data_dir: Path, ports: dict[str, int]) -> list[str]:
 
 
 def _ports() -> dict[str, int]:
-    names = (
-        "triton_http_port",
-        "triton_grpc_port",
-        "triton_metrics_port",
-        "redis_port",
-        "mongo_port",
-        "gateway_port",
-        "binder_port",
-    )
-    return {name: free_port() for name in names}
+    return {name: free_port() for name in PORTS}
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.assets import model_repo
+from gateway.stack.process import free_port
 
 GIB = 1 << 30
+
+# Every port a stack listens on, as StackSettings names them.
+PORTS = (
+    "triton_http_port",
+    "triton_grpc_port",
+    "triton_metrics_port",
+    "redis_port",
+    "mongo_port",
+    "gateway_port",
+    "binder_port",
+)
 
 
 def redis_maxmemory(setting: str, total_memory: int) -> str:
@@ -71,3 +83,10 @@ class StackSettings(BaseSettings):
     # exits 1) after this many deaths in a row, each within restart_window_s of its start.
     restart_give_up_after: int = Field(default=5, ge=1)
     restart_window_s: float = Field(default=60.0, gt=0)
+
+    @classmethod
+    def on_free_ports(cls, **overrides: Any) -> StackSettings:
+        """Settings whose every port (PORTS) is a free one, for a stack started beside others
+        (the tests' session stack, benchmarks); overrides set the rest."""
+        ports: dict[str, Any] = {name: free_port() for name in PORTS}
+        return cls(**ports, **overrides)
